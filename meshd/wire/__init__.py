@@ -1,0 +1,23 @@
+"""meshd's wire format: frames of a msgpack header and named raw tensors, as pure code (no I/O).
+
+`encode(message) -> bytes` and `Decoder().feed(bytes) -> [message, ...]` are the whole interface;
+a thin adapter elsewhere moves the bytes over a stream.
+"""
+
+from meshd.wire.chunks import DEFAULT_CHUNK_TOKENS, PrefillAssembler, chunk_spans, chunk_tokens
+from meshd.wire.codec import Decoder, Limits, decode_frame, encode
+from meshd.wire.errors import (ChecksumMismatch, ChunkOrderError, FrameTooLarge, MalformedFrame,
+                               TruncatedFrame, UnsupportedVersion, WireError)
+from meshd.wire.messages import (MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, Close, Error, ErrorCode,
+                                 Forward, GenerateRequest, Heartbeat, Hello, Message, MsgType,
+                                 OpenSession, Opened, Phase, StreamEvent, Token)
+from meshd.wire.tensors import DTYPES, Tensor
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS", "DTYPES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Cancel", "ChecksumMismatch",
+    "ChunkOrderError", "Close", "Decoder", "Error", "ErrorCode", "Forward", "FrameTooLarge",
+    "GenerateRequest", "Heartbeat", "Hello", "Limits", "MalformedFrame", "Message", "MsgType",
+    "OpenSession", "Opened", "Phase", "PrefillAssembler", "StreamEvent", "Tensor", "Token",
+    "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens", "decode_frame",
+    "encode",
+]

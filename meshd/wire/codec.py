@@ -1,0 +1,269 @@
+"""Frames as bytes, without I/O: `encode(message)` and `Decoder.feed(data)`.
+
+A frame is:
+
+    u32 LE  body length (header + payload)
+    u32 LE  header length
+    u32 LE  CRC-32 of header + payload
+    header  msgpack map {"v": version, "t": type, "f": [fields...], "x": [tensor descriptors...]}
+    payload the tensors' wire bytes, in descriptor order
+
+A tensor descriptor is [name, shape, dtype, byte order, encoding, raw length, wire length].
+
+Rules: every length, count and size is checked against `Limits` before anything is allocated for
+it; a decoder that raised once is poisoned (the stream is no longer trustworthy); any split of a
+byte stream into `feed` calls yields the same frames.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+import msgpack
+import zstandard
+
+from meshd.wire.errors import (ChecksumMismatch, FrameTooLarge, MalformedFrame, TruncatedFrame,
+                               UnsupportedVersion, WireError)
+from meshd.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, check_field
+from meshd.wire.tensors import BYTE_ORDER, DTYPES, Tensor
+
+PREAMBLE = struct.Struct("<III")
+Encoding = Literal["raw", "zstd", "auto"]
+ENCODINGS = ("raw", "zstd")
+# zstd must save at least this fraction of the bytes to be used in "auto" mode
+AUTO_MIN_SAVING = 0.05
+ZSTD_LEVEL = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds a decoder enforces before allocating anything."""
+
+    max_header: int = 64 * 1024
+    max_tensors: int = 64
+    max_dims: int = 8
+    max_elements: int = 1 << 28
+    max_payload: int = 64 * 1024 * 1024  # total raw (decompressed) tensor bytes per frame
+
+    @property
+    def max_body(self) -> int:
+        return self.max_header + self.max_payload
+
+    @classmethod
+    def from_env(cls) -> "Limits":
+        """Default limits, with the payload bound taken from `MESHD_MAX_FRAME_BYTES` when set."""
+        value = os.environ.get("MESHD_MAX_FRAME_BYTES")
+        return cls(max_payload=int(value)) if value else cls()
+
+
+def default_encoding() -> Encoding:
+    value = os.environ.get("MESHD_WIRE_ENCODING", "raw")
+    if value not in ("raw", "zstd", "auto"):
+        raise ValueError(f"MESHD_WIRE_ENCODING must be raw, zstd or auto, not {value!r}")
+    return value  # type: ignore[return-value]
+
+
+_compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+
+
+def _wire_bytes(tensor: Tensor, encoding: Encoding) -> tuple[str, bytes]:
+    if encoding == "raw" or not tensor.data:
+        return "raw", tensor.data
+    packed = _compressor.compress(tensor.data)
+    if encoding == "zstd" or len(packed) <= len(tensor.data) * (1 - AUTO_MIN_SAVING):
+        return "zstd", packed
+    return "raw", tensor.data
+
+
+def encode(msg: Message, encoding: Encoding | None = None) -> bytes:
+    """The bytes of one frame carrying `msg`; tensors go raw, zstd, or zstd only where it pays."""
+    encoding = encoding or default_encoding()
+    values = [getattr(msg, name) for name, _ in msg.FIELD_CHECKS]
+    descriptors, chunks = [], []
+    for tensor in msg.tensors:
+        enc, data = _wire_bytes(tensor, encoding)
+        descriptors.append([tensor.name, list(tensor.shape), tensor.dtype, BYTE_ORDER, enc,
+                            len(tensor.data), len(data)])
+        chunks.append(data)
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "f": values, "x": descriptors},
+                           use_bin_type=True)
+    crc = zlib.crc32(header)
+    for chunk in chunks:
+        crc = zlib.crc32(chunk, crc)
+    body_len = len(header) + sum(len(c) for c in chunks)
+    return b"".join([PREAMBLE.pack(body_len, len(header), crc), header, *chunks])
+
+
+class Decoder:
+    """Turns a byte stream into messages: `feed(bytes)` returns the messages completed so far."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._buffer = bytearray()
+        self._failed: WireError | None = None
+        self._dctx = zstandard.ZstdDecompressor()
+
+    def feed(self, data: bytes) -> list[Message]:
+        if self._failed is not None:
+            raise type(self._failed)(f"decoder already failed: {self._failed}")
+        self._buffer += data
+        out: list[Message] = []
+        try:
+            while (msg := self._next()) is not None:
+                out.append(msg)
+        except WireError as exc:
+            self._failed = exc
+            self._buffer.clear()
+            raise
+        return out
+
+    def close(self) -> None:
+        """Declare end of stream; raises `TruncatedFrame` if a partial frame is buffered."""
+        if self._buffer:
+            raise TruncatedFrame(f"stream ended with {len(self._buffer)} bytes of an unfinished frame")
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def _next(self) -> Message | None:
+        buf = self._buffer
+        if len(buf) < PREAMBLE.size:
+            return None
+        body_len, header_len, crc = PREAMBLE.unpack_from(buf)
+        if body_len > self.limits.max_body:
+            raise FrameTooLarge(f"frame body of {body_len} bytes exceeds the limit of {self.limits.max_body}")
+        if header_len > self.limits.max_header:
+            raise FrameTooLarge(f"header of {header_len} bytes exceeds the limit of {self.limits.max_header}")
+        if header_len > body_len:
+            raise MalformedFrame(f"header length {header_len} exceeds body length {body_len}")
+        end = PREAMBLE.size + body_len
+        if len(buf) < end:
+            return None
+        if len(buf) == end:  # the common case: take the buffer over instead of copying it
+            frame, self._buffer = buf, bytearray()
+        else:
+            frame = bytes(buf[:end])
+            del buf[:end]
+        body = memoryview(frame)[PREAMBLE.size:end]
+        if zlib.crc32(body) != crc:
+            raise ChecksumMismatch(f"frame checksum mismatch ({body_len} byte body)")
+        msg = decode_body(body, header_len, self.limits, self._dctx)
+        return msg
+
+
+def decode_frame(data: bytes, limits: Limits | None = None) -> Message:
+    """Decode exactly one complete frame."""
+    decoder = Decoder(limits)
+    msgs = decoder.feed(data)
+    decoder.close()
+    if len(msgs) != 1:
+        raise MalformedFrame(f"expected one frame, got {len(msgs)}")
+    return msgs[0]
+
+
+def decode_body(body: memoryview, header_len: int, limits: Limits, dctx: zstandard.ZstdDecompressor) -> Message:
+    header = _unpack_header(body[:header_len])
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"protocol version {version!r} is not supported (this build speaks {PROTOCOL_VERSION})")
+    cls = MESSAGE_TYPES.get(header.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MalformedFrame(f"unknown message type {header.get('t')!r}")
+    values = header.get("f")
+    if not isinstance(values, list) or len(values) != len(cls.FIELD_CHECKS):
+        raise MalformedFrame(f"{cls.__name__}: expected {len(cls.FIELD_CHECKS)} fields")
+    try:
+        kwargs = {name: check_field(name, hint, v) for (name, hint), v in zip(cls.FIELD_CHECKS, values)}
+    except TypeError as exc:
+        raise MalformedFrame(f"{cls.__name__}: {exc}") from None
+    tensors = _decode_tensors(header.get("x"), body[header_len:], limits, dctx)
+    if tensors:
+        if "tensors" not in cls.__dataclass_fields__:
+            raise MalformedFrame(f"{cls.__name__} carries no tensors")
+        kwargs["tensors"] = tensors
+    return cls(**kwargs)
+
+
+def _unpack_header(raw: memoryview) -> dict:
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise MalformedFrame(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise MalformedFrame("header is not a map")
+    return header
+
+
+def _decode_tensors(descs, payload: memoryview, limits: Limits, dctx) -> tuple[Tensor, ...]:
+    if not isinstance(descs, list):
+        raise MalformedFrame("tensor descriptor list missing")
+    if len(descs) > limits.max_tensors:
+        raise FrameTooLarge(f"{len(descs)} tensors exceed the limit of {limits.max_tensors}")
+    specs, total_raw, total_wire = [], 0, 0
+    for d in descs:
+        spec = _check_descriptor(d, limits)
+        total_raw += spec[5]
+        total_wire += spec[6]
+        specs.append(spec)
+    if total_raw > limits.max_payload:
+        raise FrameTooLarge(f"tensors of {total_raw} bytes exceed the limit of {limits.max_payload}")
+    if total_wire != len(payload):
+        raise MalformedFrame(f"descriptors claim {total_wire} payload bytes, frame has {len(payload)}")
+    out, offset = [], 0
+    for name, shape, dtype, _, enc, raw_len, wire_len in specs:
+        chunk = payload[offset:offset + wire_len]
+        offset += wire_len
+        data = bytes(chunk) if enc == "raw" else _unzstd(name, chunk, raw_len, dctx)
+        out.append(Tensor(name, shape, dtype, data))
+    return tuple(out)
+
+
+def _check_descriptor(d, limits: Limits) -> tuple:
+    if not isinstance(d, list) or len(d) != 7:
+        raise MalformedFrame("tensor descriptor must be a 7-item list")
+    name, shape, dtype, order, enc, raw_len, wire_len = d
+    if not isinstance(name, str):
+        raise MalformedFrame("tensor name must be a string")
+    if dtype not in DTYPES:
+        raise MalformedFrame(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if order != BYTE_ORDER:
+        raise MalformedFrame(f"tensor {name!r}: byte order {order!r} (only little-endian '<' is spoken)")
+    if enc not in ENCODINGS:
+        raise MalformedFrame(f"tensor {name!r}: unknown encoding {enc!r}")
+    if not isinstance(shape, list) or len(shape) > limits.max_dims:
+        raise FrameTooLarge(f"tensor {name!r}: shape must be a list of at most {limits.max_dims} dims")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
+        raise MalformedFrame(f"tensor {name!r}: dims must be non-negative integers")
+    elements = math.prod(shape)
+    if elements > limits.max_elements:
+        raise FrameTooLarge(f"tensor {name!r}: {elements} elements exceed the limit of {limits.max_elements}")
+    for label, value in (("raw", raw_len), ("wire", wire_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MalformedFrame(f"tensor {name!r}: bad {label} length {value!r}")
+    if raw_len != elements * DTYPES[dtype][0]:
+        raise MalformedFrame(f"tensor {name!r}: raw length {raw_len} does not match shape {shape} {dtype}")
+    if enc == "raw" and wire_len != raw_len:
+        raise MalformedFrame(f"tensor {name!r}: raw encoding with wire length {wire_len} != {raw_len}")
+    return name, tuple(shape), dtype, order, enc, raw_len, wire_len
+
+
+def _unzstd(name: str, chunk: memoryview, raw_len: int, dctx) -> bytes:
+    try:
+        declared = zstandard.frame_content_size(chunk)
+    except zstandard.ZstdError as exc:
+        raise MalformedFrame(f"tensor {name!r}: bad zstd frame: {exc}") from None
+    if declared not in (-1, raw_len):
+        raise MalformedFrame(f"tensor {name!r}: zstd content size {declared} != declared {raw_len}")
+    try:
+        data = dctx.decompress(chunk, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise MalformedFrame(f"tensor {name!r}: zstd decompression failed: {exc}") from None
+    if len(data) != raw_len:
+        raise MalformedFrame(f"tensor {name!r}: zstd gave {len(data)} bytes, expected {raw_len}")
+    return data

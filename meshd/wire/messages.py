@@ -1,0 +1,225 @@
+"""The messages meshd peers exchange, as frozen, typed values.
+
+Rule: a message's fields travel positionally in the frame header, in declaration order; that order
+is part of `PROTOCOL_VERSION`. Adding, removing or reordering a field means a new version. Every
+message carries its type code; the codec looks the class up by code and checks every field's type.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Optional
+
+from meshd.wire.tensors import Tensor
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    OPEN = 2
+    FORWARD = 3
+    TOKEN = 4
+    CLOSE = 5
+    CANCEL = 6
+    HEARTBEAT = 7
+    ERROR = 8
+    OPENED = 9
+    GENERATE = 16
+    STREAM_EVENT = 17
+
+
+class Phase(enum.IntEnum):
+    NONE = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+class ErrorCode(enum.StrEnum):
+    """Codes of `Error` messages; a peer may send codes this build does not know."""
+
+    BAD_FRAME = "bad_frame"
+    VERSION = "version"
+    MODEL_MISMATCH = "model_mismatch"
+    RECIPE_MISMATCH = "recipe_mismatch"
+    BUSY = "busy"
+    NO_ROUTE = "no_route"
+    UNKNOWN_SESSION = "unknown_session"
+    HOP_FAILED = "hop_failed"
+    TIMEOUT = "timeout"
+    INTERNAL = "internal"
+
+
+MESSAGE_TYPES: dict[int, type["Message"]] = {}
+
+
+class Message:
+    """Base of every message; subclasses are registered with `@message(MsgType.X)`."""
+
+    TYPE: ClassVar[MsgType]
+    FIELD_CHECKS: ClassVar[tuple[tuple[str, Any], ...]]
+    tensors: tuple[Tensor, ...] = ()
+
+
+def message(code: MsgType):
+    """Class decorator: make a frozen slotted dataclass and register it under `code`."""
+
+    def wrap(cls):
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.TYPE = code
+        hints = typing.get_type_hints(cls)
+        cls.FIELD_CHECKS = tuple((f.name, hints[f.name]) for f in fields(cls) if f.name != "tensors")
+        if code in MESSAGE_TYPES:
+            raise TypeError(f"message type {code!r} registered twice")
+        MESSAGE_TYPES[int(code)] = cls
+        return cls
+
+    return wrap
+
+
+@message(MsgType.HELLO)
+class Hello(Message):
+    """First frame on every stream: who speaks, and for which model and recipe."""
+
+    agent: str = "meshd"
+    peer_id: str = ""
+    model_fingerprint: str = ""
+    recipe_fingerprint: str = ""
+
+
+@message(MsgType.OPEN)
+class OpenSession(Message):
+    """Open a session on a hop for layers [start, end); the tail also gets the sampling parameters."""
+
+    request_id: int
+    session_id: bytes
+    epoch: int
+    start: int
+    end: int
+    model_fingerprint: str
+    recipe_fingerprint: str
+    max_length: int = 2048
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@message(MsgType.OPENED)
+class Opened(Message):
+    """A hop accepted `OpenSession`."""
+
+    request_id: int
+    session_id: bytes
+    epoch: int
+
+
+@message(MsgType.FORWARD)
+class Forward(Message):
+    """Activations (or token ids, for a head) for positions [position, position + n) of a session."""
+
+    session_id: bytes
+    epoch: int
+    step: int
+    phase: Phase
+    position: int
+    chunk_index: int = 0
+    chunk_total: int = 1
+    tensors: tuple[Tensor, ...] = field(default=())
+
+
+@message(MsgType.TOKEN)
+class Token(Message):
+    """The token the tail sampled at `step`."""
+
+    session_id: bytes
+    epoch: int
+    step: int
+    token_id: int
+    logprob: Optional[float] = None
+
+
+@message(MsgType.CLOSE)
+class Close(Message):
+    session_id: bytes
+    epoch: int
+
+
+@message(MsgType.CANCEL)
+class Cancel(Message):
+    session_id: bytes
+    epoch: int
+    reason: str = ""
+
+
+@message(MsgType.HEARTBEAT)
+class Heartbeat(Message):
+    seq: int
+    sent_at: float = 0.0
+
+
+@message(MsgType.ERROR)
+class Error(Message):
+    """A structured failure: `code` (see `ErrorCode`), a message for humans, and whether to retry."""
+
+    code: str
+    message: str
+    retriable: bool = False
+    request_id: int = 0
+    session_id: bytes = b""
+
+
+@message(MsgType.GENERATE)
+class GenerateRequest(Message):
+    """A client asks an entry daemon for text."""
+
+    request_id: int
+    prompt: str
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False
+
+
+@message(MsgType.STREAM_EVENT)
+class StreamEvent(Message):
+    """One event of a generation stream: `kind` is "text", "done" or "error"; `stats` on "done"."""
+
+    request_id: int
+    kind: str
+    text: str = ""
+    token_id: int = -1
+    stats: dict = field(default_factory=dict)
+
+
+def check_field(name: str, hint: Any, value: Any) -> Any:
+    """Return `value` converted to the field's declared type, or raise TypeError naming the field."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return check_field(name, args[0], value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise TypeError(f"field {name!r}: {value!r} is not a valid {hint.__name__}") from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint in (str, bytes, dict):
+        if isinstance(value, hint):
+            return value
+    raise TypeError(f"field {name!r}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
