@@ -29,7 +29,7 @@ import zstandard
 
 from meshd.wire.errors import (ChecksumMismatch, FrameTooLarge, MalformedFrame, TruncatedFrame,
                                UnsupportedVersion, WireError)
-from meshd.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, check_field
+from meshd.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 from meshd.wire.tensors import BYTE_ORDER, DTYPES, Tensor
 
 PREAMBLE = struct.Struct("<III")
@@ -106,7 +106,7 @@ class Decoder:
         self.limits = limits or Limits()
         self._buffer = bytearray()
         self._failed: WireError | None = None
-        self._dctx = zstandard.ZstdDecompressor()
+        self._dctx: zstandard.ZstdDecompressor | None = None  # made on first zstd tensor
 
     def feed(self, data: bytes) -> list[Message]:
         if self._failed is not None:
@@ -131,6 +131,11 @@ class Decoder:
     def buffered(self) -> int:
         return len(self._buffer)
 
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        if self._dctx is None:
+            self._dctx = zstandard.ZstdDecompressor()
+        return self._dctx
+
     def _next(self) -> Message | None:
         buf = self._buffer
         if len(buf) < PREAMBLE.size:
@@ -153,7 +158,7 @@ class Decoder:
         body = memoryview(frame)[PREAMBLE.size:end]
         if zlib.crc32(body) != crc:
             raise ChecksumMismatch(f"frame checksum mismatch ({body_len} byte body)")
-        msg = decode_body(body, header_len, self.limits, self._dctx)
+        msg = decode_body(body, header_len, self.limits, self._decompressor)
         return msg
 
 
@@ -167,7 +172,8 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> Message:
     return msgs[0]
 
 
-def decode_body(body: memoryview, header_len: int, limits: Limits, dctx: zstandard.ZstdDecompressor) -> Message:
+def decode_body(body: memoryview, header_len: int, limits: Limits, dctx) -> Message:
+    """Decode a checksummed frame body; `dctx()` returns a zstd decompressor when one is needed."""
     header = _unpack_header(body[:header_len])
     version = header.get("v")
     if version != PROTOCOL_VERSION:
@@ -179,7 +185,7 @@ def decode_body(body: memoryview, header_len: int, limits: Limits, dctx: zstanda
     if not isinstance(values, list) or len(values) != len(cls.FIELD_CHECKS):
         raise MalformedFrame(f"{cls.__name__}: expected {len(cls.FIELD_CHECKS)} fields")
     try:
-        kwargs = {name: check_field(name, hint, v) for (name, hint), v in zip(cls.FIELD_CHECKS, values)}
+        kwargs = {name: check(v) for (name, check), v in zip(cls.FIELD_CHECKS, values)}
     except TypeError as exc:
         raise MalformedFrame(f"{cls.__name__}: {exc}") from None
     tensors = _decode_tensors(header.get("x"), body[header_len:], limits, dctx)
@@ -219,7 +225,7 @@ def _decode_tensors(descs, payload: memoryview, limits: Limits, dctx) -> tuple[T
     for name, shape, dtype, _, enc, raw_len, wire_len in specs:
         chunk = payload[offset:offset + wire_len]
         offset += wire_len
-        data = bytes(chunk) if enc == "raw" else _unzstd(name, chunk, raw_len, dctx)
+        data = bytes(chunk) if enc == "raw" else _unzstd(name, chunk, raw_len, dctx())
         out.append(Tensor(name, shape, dtype, data))
     return tuple(out)
 

@@ -53,6 +53,34 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
 
 
+def field_checker(name: str, hint: Any):
+    """A function that returns a header value converted to the field's type, or raises TypeError."""
+
+    def fail(value: Any):
+        raise TypeError(f"field {name!r}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = field_checker(name, next(a for a in typing.get_args(hint) if a is not type(None)))
+        return lambda v: None if v is None else inner(v)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        def check_enum(v):
+            try:
+                return hint(v)
+            except (ValueError, TypeError):
+                raise TypeError(f"field {name!r}: {v!r} is not a valid {hint.__name__}") from None
+        return check_enum
+    if hint is bool:
+        return lambda v: v if v is True or v is False else fail(v)
+    if hint is int:
+        return lambda v: v if type(v) is int else fail(v)
+    if hint is float:
+        return lambda v: float(v) if type(v) in (int, float) else fail(v)
+    if hint in (str, bytes, dict):
+        return lambda v: v if type(v) is hint else fail(v)
+    raise TypeError(f"field {name!r}: type {hint!r} cannot travel in a header")
+
+
 MESSAGE_TYPES: dict[int, type["Message"]] = {}
 
 
@@ -60,6 +88,7 @@ class Message:
     """Base of every message; subclasses are registered with `@message(MsgType.X)`."""
 
     TYPE: ClassVar[MsgType]
+    # (field name, checker) in wire order; a checker returns the value converted or raises TypeError
     FIELD_CHECKS: ClassVar[tuple[tuple[str, Any], ...]]
     tensors: tuple[Tensor, ...] = ()
 
@@ -71,7 +100,8 @@ def message(code: MsgType):
         cls = dataclass(frozen=True, slots=True)(cls)
         cls.TYPE = code
         hints = typing.get_type_hints(cls)
-        cls.FIELD_CHECKS = tuple((f.name, hints[f.name]) for f in fields(cls) if f.name != "tensors")
+        cls.FIELD_CHECKS = tuple((f.name, field_checker(f.name, hints[f.name]))
+                                 for f in fields(cls) if f.name != "tensors")
         if code in MESSAGE_TYPES:
             raise TypeError(f"message type {code!r} registered twice")
         MESSAGE_TYPES[int(code)] = cls
@@ -195,31 +225,3 @@ class StreamEvent(Message):
     text: str = ""
     token_id: int = -1
     stats: dict = field(default_factory=dict)
-
-
-def check_field(name: str, hint: Any, value: Any) -> Any:
-    """Return `value` converted to the field's declared type, or raise TypeError naming the field."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return check_field(name, args[0], value)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise TypeError(f"field {name!r}: {value!r} is not a valid {hint.__name__}") from None
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint in (str, bytes, dict):
-        if isinstance(value, hint):
-            return value
-    raise TypeError(f"field {name!r}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
