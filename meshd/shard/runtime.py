@@ -1,0 +1,130 @@
+"""A shard: the layers [start, end) of one model, loaded once, run for many sessions.
+
+Rules: a shard holds only its own tensors (the head adds the embedding, the tail the final norm
+and LM head); the head takes token ids, other shards take hidden states; a non-tail returns the
+unnormalized residual stream, the tail returns logits of the last position. Each session's KV lives
+in the shard's `KVStore` under (session id, epoch).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Hashable
+
+import torch
+
+from meshd.log import get_logger
+from meshd.shard import gpt2, llama
+from meshd.shard.artifact import Artifact
+from meshd.shard.kv import KVStore
+from meshd.shard.recipe import EXACT, Recipe
+
+FAMILIES = {"llama": llama, "gpt2": gpt2}
+DEFAULT_KV_BUDGET = 1 << 30
+log = get_logger(__name__)
+
+
+class Shard:
+    def __init__(self, artifact: Artifact, start: int, end: int, recipe: Recipe = EXACT,
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, kv_ttl_s: float = 600.0,
+                 progress: bool | None = None) -> None:
+        cfg = artifact.config
+        if not 0 <= start < end <= cfg.n_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not within the model's {cfg.n_layers} layers")
+        self.artifact, self.config, self.recipe = artifact, cfg, recipe
+        self.start, self.end = start, end
+        self.family = FAMILIES[cfg.family]
+        self.max_positions = cfg.max_positions
+        t0 = time.perf_counter()
+        dtype = recipe.torch_weight
+        show = sys.stderr.isatty() if progress is None else progress
+        with torch.inference_mode():
+            self.head = self.family.load_head(artifact, dtype) if self.is_head else None
+            self.layers = []
+            for n, i in enumerate(range(start, end), 1):
+                self.layers.append(self.family.load_layer(artifact, i, dtype))
+                if show:
+                    print(f"\rloading {artifact.name} layers {start}:{end}  {n}/{end - start}",
+                          end="", file=sys.stderr, flush=True)
+            if show:
+                print(file=sys.stderr)
+            self.tail = self.family.load_tail(artifact, dtype, self.head) if self.is_tail else None
+            self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family == "llama" else None
+        self.load_seconds = time.perf_counter() - t0
+        self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
+                          kv_budget_bytes, kv_ttl_s)
+        log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
+                 params=self.n_params, seconds=round(self.load_seconds, 2))
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.config.n_layers
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for part in [self.head or {}, self.tail or {}, *[vars(layer) for layer in self.layers]]:
+            out.extend(t for t in part.values() if isinstance(t, torch.Tensor))
+        return out
+
+    @property
+    def n_params(self) -> int:
+        seen, total = set(), 0
+        for t in self.tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel()
+        return total
+
+    def open_session(self, key: Hashable, max_length: int | None = None) -> None:
+        self.kv.open(key, min(max_length or self.max_positions, self.max_positions))
+
+    def release(self, key: Hashable) -> bool:
+        return self.kv.release(key)
+
+    def forward(self, key: Hashable, x: torch.Tensor, position: int) -> torch.Tensor:
+        """Run this shard's layers for one session on positions [position, position + n).
+
+        x: token ids [1, n] for the head, hidden states [1, n, hidden] otherwise. Returns hidden
+        states [1, n, hidden], or for the tail the logits of the last position [vocab] (float32).
+        """
+        kv = self.kv.get(key)
+        compute = self.recipe.torch_compute
+        with torch.inference_mode():
+            if self.is_head:
+                if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
+                    raise ValueError(f"the head takes token ids [1, n], got {x.dtype} {tuple(x.shape)}")
+                if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab):
+                    raise ValueError(f"token ids must be in [0, {self.config.vocab})")
+                h = self.family.embed(self.head, x.long(), position, compute)
+            else:
+                if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden:
+                    raise ValueError(f"expected hidden states [1, n, {self.config.hidden}], got {tuple(x.shape)}")
+                h = x.to(compute)
+            n = h.shape[1]
+            if n == 0:
+                raise ValueError("nothing to run: zero positions")
+            kv.reserve(position, n)
+            for li, layer in enumerate(self.layers):
+                h = self.family.layer_forward(layer, h, self.config, self.rotary, kv, li, position)
+            kv.commit(position + n)
+            if self.is_tail:
+                return self.family.final(self.tail, h[:, -1:], self.config).float().reshape(-1)
+            return h
+
+    prefill = forward
+
+    def decode_step(self, key: Hashable, x: torch.Tensor, position: int) -> torch.Tensor:
+        """`forward` for exactly one position."""
+        if x.shape[1] != 1:
+            raise ValueError(f"a decode step carries one position, got {x.shape[1]}")
+        return self.forward(key, x, position)
+
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's tensors in the artifact (for memory budgets)."""
+        names = self.family.tensor_names(self.artifact.kind, self.config, self.start)
+        return sum(self.artifact.tensor_nbytes(n) for n in names)
