@@ -61,7 +61,9 @@ def _artifact_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         files.append(index)
-    return files + sorted(path.glob("*.safetensors"))
+    tokenizer = [path / n for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+                 if (path / n).exists()]
+    return files + tokenizer + sorted(path.glob("*.safetensors"))
 
 
 def fingerprint(path: Path) -> str:

@@ -1,0 +1,48 @@
+"""The `meshd` command: `meshd local` today; `meshd join` as the mesh lands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshd.log import setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshd", description="Run a language model across machines.")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    local = sub.add_parser("local", help="run the model in this process, split into shards")
+    local.add_argument("prompt")
+    local.add_argument("--model", default="smollm2", help="smollm2 (bundled), a .gguf file or an HF directory")
+    local.add_argument("--split", default="", help="layer boundaries between shards, e.g. 7,19")
+    local.add_argument("--recipe", default="exact", choices=["exact", "compact"])
+    local.add_argument("--max-tokens", type=int, default=64)
+    local.add_argument("--temperature", type=float, default=0.0)
+    local.add_argument("--top-k", type=int, default=0)
+    local.add_argument("--top-p", type=float, default=1.0)
+    local.add_argument("--seed", type=int, default=0)
+    local.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    local.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
+    local.add_argument("--stats", action="store_true", help="print timing as JSON on stderr")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        if args.command == "local":
+            from meshd.local import run_local
+
+            return run_local(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as exc:
+        print(f"meshd: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A shard speaking `meshd.wire`: messages in, messages out, no I/O.
+
+Rules: one `ShardEndpoint` per loaded shard serves many sessions, each keyed by (session id, epoch).
+A session is opened only if the model and recipe fingerprints and the layer range match; every
+failure becomes an `Error` message for that session (never an exception out of `handle`), so a bad
+request cannot take down the daemon or touch another session. The tail samples and answers with a
+`Token` on the last prefill chunk and on every decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshd.shard.kv import CacheMiss, KVBudgetExceeded
+from meshd.shard.runtime import Shard
+from meshd.shard.sampler import Sampler, SamplingParams
+from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Tensor,
+                        Token)
+
+TOKENS, HIDDEN = "tokens", "hidden"
+
+
+@dataclass
+class SessionState:
+    sampler: Sampler | None
+    next_step: int = 0
+
+
+class ShardEndpoint:
+    def __init__(self, shard: Shard, model_fingerprint: str, recipe_fingerprint: str) -> None:
+        self.shard, self.model_fp, self.recipe_fp = shard, model_fingerprint, recipe_fingerprint
+        self.sessions: dict[tuple[bytes, int], SessionState] = {}
+
+    def handle(self, msg: Message) -> list[Message]:
+        try:
+            if isinstance(msg, OpenSession):
+                return self._open(msg)
+            if isinstance(msg, Forward):
+                return self._forward(msg)
+            if isinstance(msg, (Close, Cancel)):
+                self.release((msg.session_id, msg.epoch))
+                return []
+            return [Error(code=ErrorCode.BAD_FRAME, message=f"a shard does not take {type(msg).__name__}")]
+        except KVBudgetExceeded as exc:
+            return [self._error(msg, ErrorCode.BUSY, str(exc), retriable=True)]
+        except CacheMiss as exc:
+            return [self._error(msg, ErrorCode.UNKNOWN_SESSION, str(exc), retriable=True)]
+        except (ValueError, TypeError) as exc:
+            return [self._error(msg, ErrorCode.BAD_FRAME, str(exc))]
+
+    def release(self, key: tuple[bytes, int]) -> None:
+        self.sessions.pop(key, None)
+        self.shard.release(key)
+
+    def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
+        return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
+                     session_id=getattr(msg, "session_id", b""))
+
+    def _open(self, msg: OpenSession) -> list[Message]:
+        if msg.model_fingerprint != self.model_fp:
+            return [self._error(msg, ErrorCode.MODEL_MISMATCH,
+                                f"this shard serves model {self.model_fp[:12]}, not {msg.model_fingerprint[:12]}")]
+        if msg.recipe_fingerprint != self.recipe_fp:
+            return [self._error(msg, ErrorCode.RECIPE_MISMATCH,
+                                f"this shard runs recipe {self.recipe_fp[:12]}, not {msg.recipe_fingerprint[:12]}")]
+        if (msg.start, msg.end) != (self.shard.start, self.shard.end):
+            return [self._error(msg, ErrorCode.BAD_FRAME, f"this shard serves layers [{self.shard.start},"
+                                f" {self.shard.end}), not [{msg.start}, {msg.end})")]
+        key = (msg.session_id, msg.epoch)
+        sampler = None
+        if self.shard.is_tail:
+            sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed))
+        self.shard.open_session(key, msg.max_length)
+        self.sessions[key] = SessionState(sampler)
+        return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
+
+    def _forward(self, msg: Forward) -> list[Message]:
+        key = (msg.session_id, msg.epoch)
+        state = self.sessions.get(key)
+        if state is None:
+            raise CacheMiss(f"session {msg.session_id.hex()[:12]} epoch {msg.epoch} is not open here")
+        want = TOKENS if self.shard.is_head else HIDDEN
+        tensor = next((t for t in msg.tensors if t.name == want), None)
+        if tensor is None:
+            raise ValueError(f"forward frame lacks the {want!r} tensor")
+        out = self.shard.forward(key, tensor.to_torch(), msg.position)
+        if not self.shard.is_tail:
+            hidden = Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire))
+            return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,
+                            position=msg.position, chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
+                            tensors=(hidden,))]
+        if msg.phase == Phase.PREFILL and msg.chunk_index != msg.chunk_total - 1:
+            return []
+        token, logprob = state.sampler.sample(out)
+        return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob)]
+
+
+def token_frame(session_id: bytes, epoch: int, step: int, phase: Phase, position: int, ids: list[int],
+                chunk_index: int = 0, chunk_total: int = 1) -> Forward:
+    """The Forward frame that feeds token ids to a head."""
+    t = Tensor.from_torch(TOKENS, torch.tensor([ids], dtype=torch.int64))
+    return Forward(session_id=session_id, epoch=epoch, step=step, phase=phase, position=position,
+                   chunk_index=chunk_index, chunk_total=chunk_total, tensors=(t,))

@@ -1,0 +1,59 @@
+"""Tokenizers: from the GGUF metadata or the Hugging Face directory, cached, with chat templates.
+
+Rule: building a tokenizer from GGUF metadata takes seconds (transformers converts the vocabulary),
+so the result is saved under the cache directory, keyed by the model fingerprint, and reloaded from
+there on later starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshd.shard.artifact import Artifact, cache_dir
+
+
+def load_tokenizer(artifact: Artifact):
+    from transformers import AutoTokenizer
+
+    if artifact.kind == "hf":
+        return AutoTokenizer.from_pretrained(artifact.path)
+    cached = cache_dir() / "tokenizers" / artifact.fingerprint[:32]
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry: rebuild it below
+    tok = AutoTokenizer.from_pretrained(artifact.path.parent, gguf_file=artifact.path.name)
+    tmp = cached.with_name(cached.name + f".{os.getpid()}.tmp")
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, cached)
+    except OSError:  # another process won the race; its copy is as good
+        pass
+    return tok
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids for a prompt; with `chat`, wrapped in the model's chat template as a user turn."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt).input_ids)
+
+
+class TextStream:
+    """Turns token ids into text pieces as they arrive, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece
