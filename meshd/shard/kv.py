@@ -44,6 +44,7 @@ class SessionKV:
 
     def reserve(self, pos: int, n: int) -> None:
         """Make room for positions [pos, pos + n); a pos before `length` truncates (a replay)."""
+        self.last_used = self.store.clock()  # before charging, so growth never evicts this session
         if pos > self.length:
             raise ValueError(f"position {pos} skips ahead of the cached length {self.length}")
         if pos + n > self.max_length:
@@ -57,7 +58,6 @@ class SessionKV:
             k[:, :, :, :self.length] = self.k[:, :, :, :self.length]
             v[:, :, :, :self.length] = self.v[:, :, :, :self.length]
             self.k, self.v = k, v
-        self.last_used = self.store.clock()
 
     def append(self, li: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer li's new keys/values at pos; return all keys/values up to pos + n."""

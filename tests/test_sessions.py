@@ -1,0 +1,112 @@
+"""KV sessions, sampling and the wire endpoint of a shard, on a tiny model."""
+
+import pytest
+import torch
+
+from meshd.shard.artifact import open_artifact
+from meshd.shard.endpoint import ShardEndpoint, token_frame
+from meshd.shard.kv import CacheMiss, KVBudgetExceeded, KVStore
+from meshd.shard.runtime import Shard
+from meshd.shard.sampler import Sampler, SamplingParams
+from meshd import wire as w
+from tests import tiny_models
+from tests.test_shard_tiny import PROMPT, split_run, three_way
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    return open_artifact(tiny_models.write_llama_gguf(tiny_models.tiny_llama(seed=5), d / "t.gguf"))
+
+
+def test_interleaved_sessions_equal_solo_runs(artifact):
+    shards = three_way(artifact)
+    prompts = [PROMPT, PROMPT[:5], [9, 8, 7], PROMPT[::-1]]
+    solo = [split_run(shards, p, 12, key=f"solo{i}")[0] for i, p in enumerate(prompts)]
+    state = []
+    for i, p in enumerate(prompts):
+        for s in shards:
+            s.open_session(("mix", i))
+        state.append({"x": torch.tensor([p]), "pos": 0, "tokens": []})
+    for _ in range(12):
+        for i, st in enumerate(state):  # one step of each session in turn
+            x = st["x"]
+            for s in shards:
+                x = s.forward(("mix", i), x, st["pos"])
+            st["pos"] += st["x"].shape[1]
+            st["tokens"].append(int(x.argmax()))
+            st["x"] = torch.tensor([[st["tokens"][-1]]])
+    assert [st["tokens"] for st in state] == solo
+    held = [s.kv.used_bytes for s in shards]
+    assert all(h > 0 for h in held)
+    for i in range(4):
+        for s in shards:
+            assert s.release(("mix", i))
+    assert [s.kv.used_bytes for s in shards] == [0, 0, 0]
+
+
+def test_kv_budget_ttl_and_cache_miss():
+    now = [0.0]
+    store = KVStore(2, 2, 8, torch.float32, budget_bytes=2 * 2 * 2 * 64 * 8 * 4, ttl_s=10, clock=lambda: now[0])
+    a = store.open("a", max_length=256)
+    a.reserve(0, 64)  # exactly the budget
+    assert store.used_bytes == store.budget_bytes
+    b = store.open("b", max_length=256)
+    with pytest.raises(KVBudgetExceeded, match="budget"):
+        b.reserve(0, 1)
+    now[0] = 11.0  # "a" idles past its TTL and is evicted to make room
+    b.reserve(0, 1)
+    with pytest.raises(CacheMiss):
+        store.get("a")
+    assert store.sessions() == ["b"]
+    assert store.release("b") and store.used_bytes == 0
+    with pytest.raises(CacheMiss):
+        store.get("b")
+
+
+def test_kv_replay_truncates_and_max_length_is_enforced():
+    store = KVStore(1, 1, 4, torch.float32, budget_bytes=1 << 20)
+    kv = store.open("s", max_length=100)
+    kv.reserve(0, 10)
+    kv.commit(10)
+    kv.reserve(4, 2)  # a replay from position 4
+    assert kv.length == 4
+    with pytest.raises(ValueError, match="max length"):
+        kv.reserve(4, 97)
+
+
+def test_sampler_is_seeded_and_respects_filters():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    draw = lambda p: [Sampler(p).sample(logits)[0] for _ in range(3)]  # noqa: E731
+    p = SamplingParams(temperature=1.0, top_k=50, seed=7)
+    assert draw(p) == draw(p)
+    s = Sampler(SamplingParams(temperature=0.8, top_k=5, seed=1))
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    assert {s.sample(logits)[0] for _ in range(200)} <= top5
+    s = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
+    assert {s.sample(logits)[0] for _ in range(20)} == {int(logits.argmax())}
+    assert Sampler(SamplingParams()).sample(logits)[0] == int(logits.argmax())
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+
+
+def test_endpoint_checks_fingerprints_and_range(artifact):
+    ep = ShardEndpoint(Shard(artifact, 0, 3), "model-fp", "recipe-fp")
+    base = dict(request_id=1, session_id=b"s" * 16, epoch=0, start=0, end=3, model_fingerprint="model-fp",
+                recipe_fingerprint="recipe-fp")
+    assert isinstance(ep.handle(w.OpenSession(**base))[0], w.Opened)
+    for change, code in [({"model_fingerprint": "other"}, w.ErrorCode.MODEL_MISMATCH),
+                         ({"recipe_fingerprint": "other"}, w.ErrorCode.RECIPE_MISMATCH),
+                         ({"end": 4}, w.ErrorCode.BAD_FRAME)]:
+        (err,) = ep.handle(w.OpenSession(**(base | change)))
+        assert isinstance(err, w.Error) and err.code == code, err
+    # a forward for a session that was never opened is a clean, retriable error
+    (err,) = ep.handle(token_frame(b"x" * 16, 0, 0, w.Phase.PREFILL, 0, [1, 2]))
+    assert err.code == w.ErrorCode.UNKNOWN_SESSION and err.retriable
+    # bad token ids do not hurt the open session
+    (err,) = ep.handle(token_frame(b"s" * 16, 0, 0, w.Phase.PREFILL, 0, [9999]))
+    assert err.code == w.ErrorCode.BAD_FRAME
+    (fwd,) = ep.handle(token_frame(b"s" * 16, 0, 0, w.Phase.PREFILL, 0, [1, 2, 3]))
+    assert isinstance(fwd, w.Forward) and fwd.tensors[0].shape == (1, 3, 64)
+    ep.handle(w.Close(session_id=b"s" * 16, epoch=0))
+    assert ep.shard.kv.used_bytes == 0 and not ep.sessions

@@ -1,0 +1,139 @@
+"""The shard runtime on tiny random models: a three-way split equals transformers' whole model."""
+
+import numpy as np
+import pytest
+import torch
+
+from meshd.shard.artifact import open_artifact
+from meshd.shard.config import UnsupportedArchitecture
+from meshd.shard.runtime import Shard
+from tests import tiny_models
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 128, 64, 1, 200]
+LOGIT_ATOL = 1e-4  # float32 reference vs float32 runtime with fused matmuls
+
+
+def reference_run(model, ids, n):
+    """Greedy tokens and per-step last-position logits from the whole transformers model."""
+    tokens, logits = [], []
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            out = model(torch.tensor([seq])).logits[0, -1]
+            logits.append(out)
+            tokens.append(int(out.argmax()))
+            seq.append(tokens[-1])
+    return tokens, logits
+
+
+def split_run(shards, ids, n, key="s"):
+    for s in shards:
+        s.open_session(key)
+    tokens, logits = [], []
+    x, pos = torch.tensor([ids]), 0
+    for _ in range(n):
+        for s in shards:
+            x = s.forward(key, x, pos)
+        logits.append(x)
+        tokens.append(int(x.argmax()))
+        pos += 1 if tokens[:-1] else len(ids)
+        x = torch.tensor([[tokens[-1]]])
+    for s in shards:
+        s.release(key)
+    return tokens, logits
+
+
+def three_way(artifact, cuts=(2, 4)):
+    bounds = [0, *cuts, artifact.config.n_layers]
+    return [Shard(artifact, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    model = tiny_models.tiny_llama()
+    model.save_pretrained(d / "hf")
+    tiny_models.write_llama_gguf(model, d / "tiny.gguf")
+    return model, d
+
+
+@pytest.mark.parametrize("source", ["hf", "tiny.gguf"])
+def test_llama_three_way_split_matches_transformers(llama, source):
+    model, d = llama
+    artifact = open_artifact(d / source)
+    assert artifact.config.n_layers == 6 and artifact.config.family == "llama"
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 32)
+    tokens, logits = split_run(three_way(artifact), PROMPT, 32)
+    assert tokens == ref_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
+    assert worst < LOGIT_ATOL, worst
+
+
+def test_llama_tied_embeddings_and_q8_gguf(tmp_path):
+    model = tiny_models.tiny_llama(tie=True, seed=3)
+    tiny_models.quantize_linear_weights(model)
+    path = tiny_models.write_llama_gguf(model, tmp_path / "q8.gguf", qtype=tiny_models.gguf.GGMLQuantizationType.Q8_0)
+    artifact = open_artifact(path)
+    assert artifact.config.tie_embeddings
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 32)
+    tokens, logits = split_run(three_way(artifact, (1, 5)), PROMPT, 32)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("source", ["hf", "tiny.gguf"])
+def test_gpt2_three_way_split_matches_transformers(tmp_path, source):
+    model = tiny_models.tiny_gpt2(seed=1)
+    model.save_pretrained(tmp_path / "hf")
+    tiny_models.write_gpt2_gguf(model, tmp_path / "tiny.gguf")
+    artifact = open_artifact(tmp_path / source)
+    assert artifact.config.family == "gpt2"
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 32)
+    tokens, logits = split_run(three_way(artifact), PROMPT, 32)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
+
+
+def test_chunked_prefill_equals_one_shot(llama):
+    _, d = llama
+    artifact = open_artifact(d / "tiny.gguf")
+    shards = three_way(artifact)
+    ids = torch.tensor([PROMPT * 3])
+    outs = []
+    for chunk in (ids.shape[1], 5):
+        for s in shards:
+            s.open_session(chunk)
+        for start in range(0, ids.shape[1], chunk):
+            x = ids[:, start:start + chunk]
+            for s in shards:
+                x = s.forward(chunk, x, start)
+        outs.append(x)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path):
+    w = tiny_models.gguf.GGUFWriter(str(tmp_path / "f.gguf"), "falcon")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    tiny_models._finish(w)
+    with pytest.raises(UnsupportedArchitecture, match="'falcon'"):
+        open_artifact(tmp_path / "f.gguf")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
+    with pytest.raises(UnsupportedArchitecture, match="Qwen3MoeForCausalLM"):
+        open_artifact(tmp_path / "hf")
+
+
+def test_bad_range_and_bad_inputs(llama):
+    artifact = open_artifact(llama[1] / "tiny.gguf")
+    with pytest.raises(ValueError, match="not within"):
+        Shard(artifact, 4, 9)
+    head, mid = Shard(artifact, 0, 2), Shard(artifact, 2, 4)
+    head.open_session("k")
+    mid.open_session("k")
+    with pytest.raises(ValueError, match="token ids must be"):
+        head.forward("k", torch.tensor([[300]]), 0)
+    with pytest.raises(ValueError, match="hidden states"):
+        mid.forward("k", torch.zeros(1, 2, 5), 0)
+    with pytest.raises(ValueError, match="skips ahead"):
+        head.forward("k", torch.tensor([[3]]), 5)

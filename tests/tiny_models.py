@@ -1,0 +1,126 @@
+"""Tiny random models made in the test: a transformers model, saved as safetensors and as GGUF.
+
+The GGUF files follow llama.cpp's conventions (tensor names, Q/K row permutation for Llama,
+Conv1D weights transposed for GPT-2), so they exercise the same loading code as real files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize, quantize
+
+VOCAB = 256
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K permutation (HF halves -> interleaved pairs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_llama(tie: bool = False, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, initializer_range=0.15,
+                      bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=6, n_head=4, n_positions=256, initializer_range=0.15,
+                     bos_token_id=1, eos_token_id=2)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def quantize_linear_weights(model, qtype=gguf.GGMLQuantizationType.Q8_0) -> None:
+    """Round the model's 2-D layer weights through a GGUF quantization, in place (the reference then
+    holds exactly the weights a quantized GGUF file stores)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and ".layers." in name:
+                q = quantize(p.numpy().astype(np.float32), qtype)
+                p.copy_(torch.from_numpy(dequantize(q, qtype).reshape(p.shape)))
+
+
+def write_llama_gguf(model, path: Path, qtype=None) -> Path:
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def put(name, array, quantizable=False):
+        if qtype is not None and quantizable:
+            w.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads), True)
+        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads), True)
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], True)
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+        put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], True)
+        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], True)
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], True)
+    _finish(w)
+    return path
+
+
+def write_gpt2_gguf(model, path: Path) -> Path:
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(c.n_layer)
+    w.add_context_length(c.n_positions)
+    w.add_embedding_length(c.n_embd)
+    w.add_feed_forward_length(4 * c.n_embd)
+    w.add_head_count(c.n_head)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_vocab_size(c.vocab_size)
+    put = lambda name, a: w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+    put("token_embd.weight", sd["transformer.wte.weight"])
+    put("position_embd.weight", sd["transformer.wpe.weight"])
+    put("output_norm.weight", sd["transformer.ln_f.weight"])
+    put("output_norm.bias", sd["transformer.ln_f.bias"])
+    names = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+             "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+    for i in range(c.n_layer):
+        for ours, theirs in names.items():
+            weight = sd[f"transformer.h.{i}.{theirs}.weight"]
+            put(f"blk.{i}.{ours}.weight", weight if weight.ndim == 1 else weight.T)
+            put(f"blk.{i}.{ours}.bias", sd[f"transformer.h.{i}.{theirs}.bias"])
+    _finish(w)
+    return path
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
