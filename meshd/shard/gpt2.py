@@ -13,21 +13,22 @@ import torch
 import torch.nn.functional as F
 
 from meshd.shard.config import ModelConfig
+from meshd.shard.linear import Weight, linear, make_weight
 
 
 @dataclass
 class GPT2Layer:
     ln1_w: torch.Tensor
     ln1_b: torch.Tensor
-    w_qkv: torch.Tensor
+    w_qkv: Weight
     b_qkv: torch.Tensor
-    wo: torch.Tensor
+    wo: Weight
     bo: torch.Tensor
     ln2_w: torch.Tensor
     ln2_b: torch.Tensor
-    w_fc: torch.Tensor
+    w_fc: Weight
     b_fc: torch.Tensor
-    w_proj: torch.Tensor
+    w_proj: Weight
     b_proj: torch.Tensor
 
 
@@ -62,18 +63,23 @@ def global_names(artifact) -> dict[str, str]:
             "norm_b": f"{p}ln_f.bias", "lm_head": lm}
 
 
-def load_layer(artifact, i: int, dtype: torch.dtype) -> GPT2Layer:
+def load_layer(artifact, i: int, recipe) -> GPT2Layer:
     out = {}
     for key, name in source_names(artifact, i).items():
         a = artifact.read(name)
         if artifact.kind == "hf" and key in _CONV1D:
             a = a.T
         t = torch.from_numpy(np.ascontiguousarray(a))
-        out[key] = t.float() if key.startswith("ln") else t.to(dtype)
+        if key.startswith("ln"):
+            out[key] = t.float()
+        elif key in _CONV1D:
+            out[key] = make_weight(t, recipe.weight_dtype, recipe.torch_compute)
+        else:
+            out[key] = t.to(recipe.torch_compute)
     return GPT2Layer(**out)
 
 
-def load_head(artifact, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_head(artifact, recipe) -> dict[str, torch.Tensor]:
     names = global_names(artifact)
     return {"embed": torch.from_numpy(artifact.read(names["embed"])),
             "pos_embed": torch.from_numpy(artifact.read(names["pos_embed"]))}
@@ -84,12 +90,13 @@ def embed(head, ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor
     return (F.embedding(ids, head["embed"]) + head["pos_embed"][positions]).to(dtype)
 
 
-def load_tail(artifact, dtype: torch.dtype, head: dict | None = None) -> dict[str, torch.Tensor]:
+def load_tail(artifact, recipe, head: dict | None = None) -> dict:
     names = global_names(artifact)
-    if head is not None and names["lm_head"] == names["embed"]:
-        lm_head = head["embed"].to(dtype)
+    if head is not None and names["lm_head"] == names["embed"] and recipe.weight_dtype == "float32":
+        lm_head = head["embed"]
     else:
-        lm_head = torch.from_numpy(artifact.read(names["lm_head"])).to(dtype)
+        lm_head = make_weight(torch.from_numpy(artifact.read(names["lm_head"])), recipe.weight_dtype,
+                              recipe.torch_compute)
     return {"norm_w": torch.from_numpy(artifact.read(names["norm_w"])).float(),
             "norm_b": torch.from_numpy(artifact.read(names["norm_b"])).float(), "lm_head": lm_head}
 
@@ -100,7 +107,7 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
 
 def final(tail, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     h = layer_norm(x, tail["norm_w"], tail["norm_b"], cfg.norm_eps)
-    return F.linear(h, tail["lm_head"])
+    return linear(h, tail["lm_head"])
 
 
 def layer_forward(p: GPT2Layer, x: torch.Tensor, cfg: ModelConfig, rotary, kv, li: int, pos: int) -> torch.Tensor:
@@ -108,13 +115,13 @@ def layer_forward(p: GPT2Layer, x: torch.Tensor, cfg: ModelConfig, rotary, kv, l
 
     n, nh, hd = x.shape[1], cfg.n_heads, cfg.head_dim
     h = layer_norm(x, p.ln1_w, p.ln1_b, cfg.norm_eps)
-    q, k, v = F.linear(h, p.w_qkv, p.b_qkv).split(nh * hd, dim=-1)
+    q, k, v = linear(h, p.w_qkv, p.b_qkv).split(nh * hd, dim=-1)
     q, k, v = (t.view(1, n, nh, hd).transpose(1, 2) for t in (q, k, v))
     keys, values = kv.append(li, k, v, pos)
     attn = attention(q, keys, values, pos)
-    x = x + F.linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo, p.bo)
+    x = x + linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo, p.bo)
     h = layer_norm(x, p.ln2_w, p.ln2_b, cfg.norm_eps)
-    return x + F.linear(F.gelu(F.linear(h, p.w_fc, p.b_fc), approximate="tanh"), p.w_proj, p.b_proj)
+    return x + linear(F.gelu(linear(h, p.w_fc, p.b_fc), approximate="tanh"), p.w_proj, p.b_proj)
 
 
 def tensor_names(kind: str, cfg: ModelConfig, i: int) -> list[str]:

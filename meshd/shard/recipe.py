@@ -1,7 +1,7 @@
 """Runtime recipes: how weights, compute, KV and activations on the wire are typed.
 
 Rule: two lanes kept apart. `exact` (float32 everywhere) makes a split run equal the whole model;
-`compact` (bfloat16 weights, compute, KV and wire) trades a measured drift for speed and fit.
+`compact` (int8 weights with a scale per row, bfloat16 compute, KV and wire) trades a measured drift for speed and fit.
 Everything that changes the numbers goes into the recipe fingerprint, so peers with different
 recipes never form a route.
 """
@@ -32,10 +32,6 @@ class Recipe:
         return getattr(torch, self.compute_dtype)
 
     @property
-    def torch_weight(self) -> torch.dtype:
-        return getattr(torch, self.weight_dtype)
-
-    @property
     def torch_wire(self) -> torch.dtype:
         return getattr(torch, self.wire_dtype)
 
@@ -46,7 +42,7 @@ class Recipe:
 
 
 EXACT = Recipe("exact", weight_dtype="float32", compute_dtype="float32", wire_dtype="float32", kv_dtype="float32")
-COMPACT = Recipe("compact", weight_dtype="bfloat16", compute_dtype="bfloat16", wire_dtype="bfloat16",
+COMPACT = Recipe("compact", weight_dtype="int8", compute_dtype="bfloat16", wire_dtype="bfloat16",
                  kv_dtype="bfloat16")
 RECIPES = {r.name: r for r in (EXACT, COMPACT)}
 

@@ -18,6 +18,7 @@ from meshd.log import get_logger
 from meshd.shard import gpt2, llama
 from meshd.shard.artifact import Artifact
 from meshd.shard.kv import KVStore
+from meshd.shard.linear import Int8Weight
 from meshd.shard.recipe import EXACT, Recipe
 
 FAMILIES = {"llama": llama, "gpt2": gpt2}
@@ -37,19 +38,18 @@ class Shard:
         self.family = FAMILIES[cfg.family]
         self.max_positions = cfg.max_positions
         t0 = time.perf_counter()
-        dtype = recipe.torch_weight
         show = sys.stderr.isatty() if progress is None else progress
         with torch.inference_mode():
-            self.head = self.family.load_head(artifact, dtype) if self.is_head else None
+            self.head = self.family.load_head(artifact, recipe) if self.is_head else None
             self.layers = []
             for n, i in enumerate(range(start, end), 1):
-                self.layers.append(self.family.load_layer(artifact, i, dtype))
+                self.layers.append(self.family.load_layer(artifact, i, recipe))
                 if show:
                     print(f"\rloading {artifact.name} layers {start}:{end}  {n}/{end - start}",
                           end="", file=sys.stderr, flush=True)
             if show:
                 print(file=sys.stderr)
-            self.tail = self.family.load_tail(artifact, dtype, self.head) if self.is_tail else None
+            self.tail = self.family.load_tail(artifact, recipe, self.head) if self.is_tail else None
             self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family == "llama" else None
         self.load_seconds = time.perf_counter() - t0
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
@@ -68,7 +68,11 @@ class Shard:
     def tensors(self) -> list[torch.Tensor]:
         out = []
         for part in [self.head or {}, self.tail or {}, *[vars(layer) for layer in self.layers]]:
-            out.extend(t for t in part.values() if isinstance(t, torch.Tensor))
+            for t in part.values():
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+                elif isinstance(t, Int8Weight):
+                    out.extend(t.tensors())
         return out
 
     @property
