@@ -1,0 +1,79 @@
+"""The coverage map of one model: which live peers serve each layer, and where the gaps are.
+
+Rules: built only from live, verified records of the same model and recipe; a pure value, so
+routing and `--layers auto` are functions of it, tested without a network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshd.dht.record import CoverageRecord
+
+
+@dataclass(frozen=True)
+class CoverageMap:
+    n_layers: int
+    records: tuple[CoverageRecord, ...]
+
+    @classmethod
+    def build(cls, n_layers: int, records, model: str | None = None, recipe: str | None = None,
+              now: float | None = None) -> "CoverageMap":
+        latest: dict[str, CoverageRecord] = {}
+        for r in records:
+            if r.expired(now) or r.n_layers != n_layers:
+                continue
+            if (model and r.model != model) or (recipe and r.recipe != recipe):
+                continue
+            if r.peer_id not in latest or r.seq > latest[r.peer_id].seq:
+                latest[r.peer_id] = r
+        return cls(n_layers, tuple(sorted(latest.values(), key=lambda r: (r.start, r.peer_id))))
+
+    def counts(self) -> list[int]:
+        """Number of live servers for each layer."""
+        counts = [0] * self.n_layers
+        for r in self.records:
+            for layer in range(r.start, r.end):
+                counts[layer] += 1
+        return counts
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Maximal [start, end) runs of layers nobody serves."""
+        out, start = [], None
+        for layer, c in enumerate(self.counts() + [1]):
+            if c == 0 and start is None:
+                start = layer
+            elif c and start is not None:
+                out.append((start, layer))
+                start = None
+        return out
+
+    @property
+    def complete(self) -> bool:
+        return not self.gaps()
+
+    def without(self, peer_id: str) -> "CoverageMap":
+        return CoverageMap(self.n_layers, tuple(r for r in self.records if r.peer_id != peer_id))
+
+
+def choose_range(coverage: CoverageMap, want: int) -> tuple[int, int]:
+    """The contiguous range of `want` layers a new node should serve (coverage first).
+
+    With gaps: inside the largest gap (ties: the earliest), starting at its start; a gap shorter
+    than `want` gets the window of `want` layers that covers it and as few served layers as
+    possible. Without gaps: the window whose least-served layer count is smallest (redundancy to
+    the least-served layers), ties to the earliest start.
+    """
+    n = coverage.n_layers
+    want = max(1, min(want, n))
+    counts = coverage.counts()
+    gaps = coverage.gaps()
+    if gaps:
+        g0, g1 = max(gaps, key=lambda g: (g[1] - g[0], -g[0]))
+        if g1 - g0 >= want:
+            return g0, g0 + want
+        starts = range(max(0, g1 - want), min(g0, n - want) + 1)
+        best = min(starts, key=lambda s: (sum(counts[s:s + want]), s))
+        return best, best + want
+    best = min(range(n - want + 1), key=lambda s: (sum(counts[s:s + want]), max(counts[s:s + want]), s))
+    return best, best + want

@@ -1,0 +1,98 @@
+"""Route planning: the chain of peers that carries a generation from layer k to the last layer.
+
+Rule: a pure function of the coverage map and link latencies. A hop may enter a peer in the
+middle of its range and always leaves at the end of that range; the chosen chain minimises the
+estimated time per token, sum over hops of (layers / advertised throughput + link latency).
+Ties break deterministically (fewer hops, then peer id), so every entry plans the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from meshd.dht.coverage import CoverageMap
+
+DEFAULT_THROUGHPUT = 500.0  # layer-steps per second assumed for a peer that advertises none
+DEFAULT_LATENCY = 0.005  # seconds per hop assumed for a link never measured
+
+
+class NoRoute(RuntimeError):
+    """The live peers do not cover the layers a generation needs."""
+
+    def __init__(self, missing: list[tuple[int, int]]):
+        self.missing = missing
+        spans = ", ".join(f"[{a}, {b})" for a, b in missing)
+        super().__init__(f"no route: layers {spans} are served by no live peer")
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer_id: str
+    addrs: tuple[str, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Route:
+    hops: tuple[Hop, ...]
+    cost_s: float
+
+    def describe(self) -> list[list]:
+        return [[h.peer_id, h.start, h.end] for h in self.hops]
+
+
+def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] | Callable[[str], float] | None = None,
+               exclude: frozenset[str] | set[str] = frozenset()) -> Route:
+    """Cheapest chain of hops covering [start, n_layers); raises `NoRoute` naming the gaps."""
+    n = coverage.n_layers
+    if start >= n:
+        return Route((), 0.0)
+    if callable(latency):
+        link = latency
+    else:
+        table = latency or {}
+        link = lambda peer: table.get(peer, DEFAULT_LATENCY)  # noqa: E731
+    records = [r for r in coverage.records if r.peer_id not in exclude]
+    # best[a] = (cost, hops, path) to have layers [start, a) done
+    best: dict[int, tuple[float, int, tuple[Hop, ...]]] = {start: (0.0, 0, ())}
+    for a in range(start, n):
+        if a not in best:
+            continue
+        cost, count, path = best[a]
+        for r in records:
+            if not r.start <= a < r.end:
+                continue
+            rate = r.throughput if r.throughput > 0 else DEFAULT_THROUGHPUT
+            step = (r.end - a) / rate + link(r.peer_id)
+            cand = (cost + step, count + 1, path + (Hop(r.peer_id, r.addrs, a, r.end),))
+            old = best.get(r.end)
+            if old is None or _better(cand, old):
+                best[r.end] = cand
+    if n not in best:
+        served = [0] * n
+        for r in records:
+            for layer in range(max(r.start, start), r.end):
+                served[layer] += 1
+        raise NoRoute(_gaps(served, start) or [(start, n)])
+    cost, _, path = best[n]
+    return Route(path, cost)
+
+
+def _better(a, b) -> bool:
+    key = lambda c: (round(c[0], 9), c[1], [h.peer_id for h in c[2]])  # noqa: E731
+    return key(a) < key(b)
+
+
+def _gaps(served: list[int], start: int) -> list[tuple[int, int]]:
+    """Runs of layers at or after `start` that nobody serves."""
+    out, run = [], None
+    for layer in range(start, len(served) + 1):
+        empty = layer < len(served) and served[layer] == 0
+        if empty and run is None:
+            run = layer
+        elif not empty and run is not None:
+            out.append((run, layer))
+            run = None
+    return out

@@ -1,0 +1,165 @@
+"""Signed records, the DHT validator, coverage maps, `--layers auto` and route planning (no network)."""
+
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from meshd.dht.coverage import CoverageMap, choose_range
+from meshd.dht.record import CoverageRecord, RecordError, best_index, open_record, record_key, sign_record
+from meshd.dht.validator import CoverageValidator
+from meshd.routing.plan import NoRoute, plan_route
+
+
+def keypair():
+    kp = create_new_key_pair()
+    return kp, ID.from_pubkey(kp.public_key).to_base58()
+
+
+def record(pid, start, end, n=30, seq=1, ttl=60.0, model="m", **kw):
+    return CoverageRecord(peer_id=pid, addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), model=model, recipe="r",
+                          start=start, end=end, n_layers=n, seq=seq, expires_at=time.time() + ttl, **kw)
+
+
+def test_signed_record_round_trips_and_validates():
+    kp, pid = keypair()
+    value = sign_record(record(pid, 0, 12), kp.private_key)
+    assert open_record(value, key=record_key(pid)).end == 12
+    CoverageValidator().validate(record_key(pid), value)
+
+
+def test_record_signed_by_another_key_is_refused():
+    kp, pid = keypair()
+    other, _ = keypair()
+    forged = sign_record(record(pid, 0, 12), other.private_key)
+    with pytest.raises(RecordError, match="another key"):
+        open_record(forged)
+    with pytest.raises(ValueError):
+        CoverageValidator().validate(record_key(pid), forged)
+    # and a valid record stored under someone else's key is refused too
+    _, pid2 = keypair()
+    with pytest.raises(RecordError, match="wrong key"):
+        open_record(sign_record(record(pid, 0, 12), kp.private_key), key=record_key(pid2))
+
+
+def test_tampered_and_garbage_records_are_refused():
+    kp, pid = keypair()
+    value = bytearray(sign_record(record(pid, 0, 12), kp.private_key))
+    value[10] ^= 0xFF
+    with pytest.raises(RecordError):
+        open_record(bytes(value))
+    for junk in (b"", b"\x00" * 10, b"\x93\x01\x02\x03"):
+        with pytest.raises(RecordError):
+            open_record(junk)
+
+
+def test_higher_sequence_wins_and_expired_does_not_count():
+    kp, pid = keypair()
+    old = sign_record(record(pid, 0, 12, seq=1), kp.private_key)
+    new = sign_record(record(pid, 0, 12, seq=2), kp.private_key)
+    assert best_index([old, new]) == 1 and best_index([new, old]) == 0
+    assert CoverageValidator().select(record_key(pid), [old, new]) == 1
+    expired = sign_record(record(pid, 0, 12, seq=3, ttl=-1), kp.private_key)
+    with pytest.raises(RecordError, match="expired"):
+        open_record(expired)
+    # an expired newer record still blocks replay of an older one, but a live one beats it
+    assert best_index([old, expired]) == 1
+    live = sign_record(record(pid, 0, 12, seq=4), kp.private_key)
+    assert best_index([expired, live]) == 1
+    cov = CoverageMap.build(30, [record(pid, 0, 12, ttl=-1)])
+    assert cov.counts() == [0] * 30
+
+
+def test_coverage_counts_and_gaps():
+    cov = CoverageMap.build(30, [record("a", 0, 12), record("b", 10, 20), record("c", 25, 30),
+                                 record("d", 0, 30, model="other")], model="m")
+    assert cov.counts()[:13] == [1] * 10 + [2, 2, 1]
+    assert cov.gaps() == [(20, 25)]
+    assert not cov.complete
+    # only the newest record of a peer counts
+    cov = CoverageMap.build(30, [record("a", 0, 10, seq=1), record("a", 5, 30, seq=2)])
+    assert cov.complete and cov.counts() == [0] * 5 + [1] * 25
+
+
+def test_choose_range_fills_the_largest_gap_first():
+    assert choose_range(CoverageMap.build(30, []), 10) == (0, 10)
+    assert choose_range(CoverageMap.build(30, [record("a", 0, 12)]), 10) == (12, 22)
+    cov = CoverageMap.build(30, [record("a", 0, 12), record("b", 12, 22)])
+    assert choose_range(cov, 10) == (20, 30)  # the gap [22, 30) is short: cover it, overlap least
+    full = CoverageMap.build(30, [record("a", 0, 12), record("b", 12, 22), record("c", 20, 30)])
+    assert choose_range(full, 10) == (0, 10)  # redundancy to the least-served window, earliest
+    assert choose_range(full, 100) == (0, 30)
+    largest = CoverageMap.build(30, [record("a", 3, 10), record("b", 12, 20)])
+    assert choose_range(largest, 4) == (20, 24)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 29), st.integers(1, 30)), max_size=6), st.integers(1, 30))
+def test_auto_choice_never_leaves_a_fillable_gap_unfilled(spans, want):
+    recs = [record(f"p{i}", min(a, b - 1), max(a + 1, b)) for i, (a, b) in enumerate(spans)]
+    cov = CoverageMap.build(30, recs)
+    a, b = choose_range(cov, want)
+    assert 0 <= a < b <= 30 and b - a == min(want, 30)
+    if cov.gaps():
+        assert any(a < g1 and g0 < b for g0, g1 in cov.gaps())
+
+
+def test_route_prefers_fast_short_chains_and_enters_mid_range():
+    cov = CoverageMap.build(30, [record("a", 0, 10), record("b", 10, 20), record("c", 20, 30),
+                                 record("big", 5, 30, throughput=10000.0)])
+    route = plan_route(cov, 10)
+    assert [(h.peer_id, h.start, h.end) for h in route.hops] == [("big", 10, 30)]
+    slow = {"big": 5.0}
+    route = plan_route(cov, 10, latency=slow)
+    assert [(h.peer_id, h.start, h.end) for h in route.hops] == [("b", 10, 20), ("c", 20, 30)]
+    with pytest.raises(NoRoute, match=r"layers \[10, 20\)"):
+        plan_route(cov, 10, exclude={"big", "b"})
+    assert plan_route(cov, 30).hops == ()
+
+
+def test_no_route_names_every_gap():
+    cov = CoverageMap.build(30, [record("a", 0, 10), record("c", 15, 20)])
+    with pytest.raises(NoRoute) as err:
+        plan_route(cov, 10)
+    assert err.value.missing == [(10, 15), (20, 30)]
+
+
+def test_route_over_hundreds_of_peers_is_optimal_and_quick():
+    rng = random.Random(7)
+    recs = []
+    for i in range(400):
+        a = rng.randrange(0, 30)
+        b = min(30, a + rng.randint(1, 10))
+        recs.append(record(f"p{i:03d}", a, b, throughput=rng.uniform(50, 2000)))
+    cov = CoverageMap.build(30, recs)
+    lat = {r.peer_id: rng.uniform(0.001, 0.05) for r in recs}
+    t0 = time.perf_counter()
+    route = plan_route(cov, 0, latency=lat)
+    assert time.perf_counter() - t0 < 5  # generous: a bound on complexity, not a benchmark
+    assert route.hops[0].start == 0 and route.hops[-1].end == 30
+    assert all(x.end == y.start for x, y in zip(route.hops, route.hops[1:]))
+    # brute-force check on the same graph: no chain of up to 4 hops is cheaper
+    by_peer = {r.peer_id: r for r in recs}
+
+    def cost(hops):
+        return sum((h.end - h.start) / by_peer[h.peer_id].throughput + lat[h.peer_id] for h in hops)
+
+    assert abs(cost(route.hops) - route.cost_s) < 1e-9
+    best = [float("inf")]
+
+    def search(a, acc, depth):
+        if a == 30:
+            best[0] = min(best[0], acc)
+            return
+        if depth == 0 or acc >= best[0]:
+            return
+        for r in recs:
+            if r.start <= a < r.end:
+                search(r.end, acc + (r.end - a) / r.throughput + lat[r.peer_id], depth - 1)
+
+    search(0, 0.0, len(route.hops))
+    assert route.cost_s <= best[0] + 1e-9
