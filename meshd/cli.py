@@ -1,4 +1,4 @@
-"""The `meshd` command: `meshd local` today; `meshd join` as the mesh lands."""
+"""The `meshd` command: `meshd join` runs the daemon; `meshd local` runs a split model in-process."""
 
 from __future__ import annotations
 
@@ -12,6 +12,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshd", description="Run a language model across machines.")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
+    join = sub.add_parser("join", help="run the daemon: join (or start) a mesh and serve layers")
+    join.add_argument("--bootstrap", action="append", help="multiaddr of a peer already in the mesh (repeatable)")
+    join.add_argument("--model", help="smollm2 (bundled, default), a .gguf file or an HF directory")
+    join.add_argument("--layers", help="auto (default) or A:B")
+    join.add_argument("--num-layers", type=int, help="with --layers auto: how many layers to serve")
+    join.add_argument("--memory", type=int, help="with --layers auto: bytes of weights this node may hold")
+    join.add_argument("--listen", action="append", help="multiaddr to listen on (repeatable)")
+    join.add_argument("--state-dir", help="identity and caches (default ~/.local/share/meshd)")
+    join.add_argument("--socket", help="control socket path")
+    join.add_argument("--recipe", choices=["exact", "compact"], help="exact (float32, default) or compact")
+    join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     local = sub.add_parser("local", help="run the model in this process, split into shards")
     local.add_argument("prompt")
     local.add_argument("--model", default="smollm2", help="smollm2 (bundled), a .gguf file or an HF directory")
@@ -32,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        if args.command == "join":
+            from meshd.daemon import run_daemon
+            from meshd.settings import load_settings
+
+            flags = {k: getattr(args, k) for k in ("bootstrap", "model", "layers", "num_layers", "memory", "listen",
+                                                    "state_dir", "socket", "recipe")}
+            return run_daemon(load_settings(flags, args.config))
         if args.command == "local":
             from meshd.local import run_local
 

@@ -1,8 +1,173 @@
-"""The `meshctl` command: talks to the local daemon (arrives with the mesh daemon)."""
+"""`meshctl`: talk to the local meshd daemon over its Unix socket.
 
+    meshctl [--socket PATH] status [--json]
+    meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+            [--seed S] [--chat] [--stats] PROMPT
+
+Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
+Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
+5 generation failed (a hop failed, the mesh is busy, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket as stdlib_socket
 import sys
+from pathlib import Path
+
+import trio
+
+from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.settings import default_socket, default_state_dir
+from meshd.wire import GenerateRequest, StatusRequest, WireError
+
+EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED = 3, 4, 5
+
+
+class DaemonUnreachable(Exception):
+    pass
+
+
+def socket_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if os.environ.get("MESHD_SOCKET"):
+        return Path(os.environ["MESHD_SOCKET"])
+    return default_socket(Path(os.environ.get("MESHD_STATE_DIR") or default_state_dir()))
+
+
+async def open_channel(path: Path) -> Channel:
+    try:
+        stream = await trio.open_unix_socket(str(path))
+    except FileNotFoundError:
+        raise DaemonUnreachable(f"no daemon socket at {path}: is meshd running? (start it with `meshd join`)")
+    except PermissionError:
+        raise DaemonUnreachable(f"permission denied on {path}: run meshctl as the daemon's user")
+    except ConnectionRefusedError:
+        raise DaemonUnreachable(f"nothing listens on {path}: the daemon is not running (stale socket)")
+    except OSError as exc:
+        raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}")
+    return Channel.over_trio(stream)
+
+
+async def fetch_status(path: Path, timeout: float = 10.0) -> dict:
+    channel = await open_channel(path)
+    try:
+        await channel.send(StatusRequest(request_id=1))
+        event = await channel.receive(timeout)
+        return dict(event.stats)
+    finally:
+        await channel.aclose()
+
+
+def coverage_lines(counts: list[int]) -> list[str]:
+    """The coverage map as text: one digit per layer (servers), gaps marked underneath."""
+    if not counts:
+        return ["coverage: unknown"]
+    tens = "".join(str(i // 10) if i % 10 == 0 else " " for i in range(len(counts)))
+    ones = "".join(str(i % 10) for i in range(len(counts)))
+    row = "".join("." if c == 0 else (str(c) if c < 10 else "+") for c in counts)
+    marks = "".join("^" if c == 0 else " " for c in counts)
+    lines = [f"  layer    {tens}", f"           {ones}", f"  servers  {row}"]
+    if any(c == 0 for c in counts):
+        lines.append(f"  gaps     {marks}")
+    return lines
+
+
+def render_status(st: dict) -> str:
+    rng = st.get("range")
+    lines = [f"peer      {st['peer_id']}", f"state     {st['state']}",
+             f"model     {st['model']} ({(st.get('model_fingerprint') or '')[:12]}, recipe {st['recipe']})",
+             f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)",
+             f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating"]
+    lines += [f"addr      {a}" for a in st["addrs"]]
+    lines.append(f"peers     {len(st['peers'])}")
+    for p in st["peers"]:
+        state = "serving" if p["serving"] else "loading"
+        lines.append(f"  {p['peer_id']}  layers {p['range'][0]:>3}:{p['range'][1]:<3} {state:8}"
+                     f" {p['throughput']:>8.1f} layer/s  expires in {p['expires_in_s']:.0f}s")
+    gaps = st.get("gaps") or []
+    verdict = "complete" if st.get("complete") else "INCOMPLETE, uncovered: " + ", ".join(f"[{a}, {b})" for a, b in gaps)
+    lines.append(f"coverage  {verdict}")
+    lines += coverage_lines(st.get("coverage") or [])
+    return "\n".join(lines)
+
+
+async def generate(path: Path, args) -> int:
+    channel = await open_channel(path)
+    req = GenerateRequest(request_id=1, prompt=args.prompt, max_tokens=args.max_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          chat=args.chat)
+    try:
+        await channel.send(req)
+        while True:
+            event = await channel.receive(args.timeout)
+            if event.kind == "text":
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif event.kind == "done":
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                if args.stats:
+                    print(json.dumps(dict(event.stats)), file=sys.stderr)
+                return 0
+            elif event.kind == "error":
+                code = event.stats.get("code", "")
+                print(f"meshctl: generation failed ({code}): {event.text}", file=sys.stderr)
+                return EXIT_NO_ROUTE if code == "no_route" else EXIT_FAILED
+    except ChannelClosed:
+        print("meshctl: the daemon closed the connection mid-generation", file=sys.stderr)
+        return EXIT_FAILED
+    except trio.TooSlowError:
+        print(f"meshctl: no answer from the daemon within {args.timeout:.0f} s", file=sys.stderr)
+        return EXIT_FAILED
+    except WireError as exc:
+        print(f"meshctl: bad answer from the daemon: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        await channel.aclose()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshctl", description="Talk to the local meshd daemon.")
+    p.add_argument("--socket", help="the daemon's control socket (default: as meshd chooses)")
+    sub = p.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="this node, its peers and the coverage map")
+    st.add_argument("--json", action="store_true", help="one JSON object")
+    g = sub.add_parser("generate", help="stream generated text to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stats", action="store_true", help="last stderr line: JSON timing and route")
+    g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("meshctl: the mesh daemon is not part of this build yet; try `meshd local PROMPT`", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    path = socket_path(args.socket)
+    try:
+        if args.command == "status":
+            st = trio.run(fetch_status, path)
+            print(json.dumps(st) if args.json else render_status(st))
+            return 0
+        return trio.run(generate, path, args)
+    except DaemonUnreachable as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return EXIT_DOWN
+    except (ChannelClosed, trio.TooSlowError) as exc:
+        print(f"meshctl: the daemon did not answer: {exc or type(exc).__name__}", file=sys.stderr)
+        return EXIT_DOWN
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,6 +43,7 @@ def all_messages():
         w.Error(code=w.ErrorCode.BUSY, message="full", retriable=True, request_id=4, session_id=SID),
         w.GenerateRequest(request_id=4, prompt="héllo", max_tokens=8, temperature=0.0, chat=True),
         w.StreamEvent(request_id=4, kind="done", stats={"tokens": 8, "route": [["a", 0, 30]]}),
+        w.StatusRequest(request_id=5),
     ]
 
 

@@ -52,6 +52,10 @@ class CoverageMap:
     def complete(self) -> bool:
         return not self.gaps()
 
+    def serving(self) -> "CoverageMap":
+        """Only the peers that have loaded their layers and take sessions."""
+        return CoverageMap(self.n_layers, tuple(r for r in self.records if r.serving))
+
     def without(self, peer_id: str) -> "CoverageMap":
         return CoverageMap(self.n_layers, tuple(r for r in self.records if r.peer_id != peer_id))
 

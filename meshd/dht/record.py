@@ -41,6 +41,7 @@ class CoverageRecord:
     seq: int = 0
     expires_at: float = 0.0  # unix time
     model_name: str = ""
+    serving: bool = False  # False while the weights load: claims the range, takes no sessions yet
     relay_addrs: tuple[str, ...] = field(default=())
 
     def expired(self, now: float | None = None) -> bool:

@@ -126,15 +126,14 @@ class Artifact:
         with safe_open(self._hf_index[name], framework="pt") as f:
             return f.get_tensor(name).float().numpy()
 
-    def tensor_nbytes(self, name: str) -> int:
-        """Bytes the tensor takes in the artifact (for memory planning)."""
+    def tensor_elements(self, name: str) -> int:
+        """Number of parameters in the named tensor (read from the header only)."""
         if self._gguf is not None:
-            return self._gguf.tensors[name].nbytes
+            return self._gguf.tensors[name].n_elements
         from safetensors import safe_open
 
         with safe_open(self._hf_index[name], framework="np") as f:
-            sl = f.get_slice(name)
-            return int(np.prod(sl.get_shape())) * 4
+            return int(np.prod(f.get_slice(name).get_shape()))
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -127,8 +127,3 @@ class Shard:
         if x.shape[1] != 1:
             raise ValueError(f"a decode step carries one position, got {x.shape[1]}")
         return self.forward(key, x, position)
-
-    def layer_nbytes(self) -> int:
-        """Bytes of one layer's tensors in the artifact (for memory budgets)."""
-        names = self.family.tensor_names(self.artifact.kind, self.config, self.start)
-        return sum(self.artifact.tensor_nbytes(n) for n in names)

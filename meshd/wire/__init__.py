@@ -10,14 +10,14 @@ from meshd.wire.errors import (ChecksumMismatch, ChunkOrderError, FrameTooLarge,
                                TruncatedFrame, UnsupportedVersion, WireError)
 from meshd.wire.messages import (MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, Close, Error, ErrorCode,
                                  Forward, GenerateRequest, Heartbeat, Hello, Message, MsgType,
-                                 OpenSession, Opened, Phase, StreamEvent, Token)
+                                 OpenSession, Opened, Phase, StatusRequest, StreamEvent, Token)
 from meshd.wire.tensors import DTYPES, Tensor
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS", "DTYPES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Cancel", "ChecksumMismatch",
     "ChunkOrderError", "Close", "Decoder", "Error", "ErrorCode", "Forward", "FrameTooLarge",
     "GenerateRequest", "Heartbeat", "Hello", "Limits", "MalformedFrame", "Message", "MsgType",
-    "OpenSession", "Opened", "Phase", "PrefillAssembler", "StreamEvent", "Tensor", "Token",
+    "OpenSession", "Opened", "Phase", "PrefillAssembler", "StatusRequest", "StreamEvent", "Tensor", "Token",
     "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens", "decode_frame",
     "encode",
 ]

@@ -30,6 +30,7 @@ class MsgType(enum.IntEnum):
     OPENED = 9
     GENERATE = 16
     STREAM_EVENT = 17
+    STATUS = 18
 
 
 class Phase(enum.IntEnum):
@@ -216,9 +217,16 @@ class GenerateRequest(Message):
     chat: bool = False
 
 
+@message(MsgType.STATUS)
+class StatusRequest(Message):
+    """A client asks its daemon for status; the answer is a StreamEvent of kind "status"."""
+
+    request_id: int
+
+
 @message(MsgType.STREAM_EVENT)
 class StreamEvent(Message):
-    """One event of a generation stream: `kind` is "text", "done" or "error"; `stats` on "done"."""
+    """One event of a stream: `kind` is "text", "done", "error" or "status"; details in `stats`."""
 
     request_id: int
     kind: str

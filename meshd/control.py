@@ -1,0 +1,167 @@
+"""The local control socket, and generation requests arriving from other daemons.
+
+Rules: the socket is created with mode 0600 (only the daemon's user may talk to it) and removed
+when the daemon stops; it speaks meshd.wire frames: `StatusRequest` gets one "status" event,
+`GenerateRequest` gets "text" events then one "done" or "error". A client that goes away cancels
+its generation, which releases the KV on every hop. A daemon without layer 0 forwards generation
+requests to an entry it finds in the coverage map.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket as stdlib_socket
+from pathlib import Path
+
+import trio
+from libp2p.peer.id import ID
+
+from meshd.gen import GEN_PROTOCOL, GenerationError
+from meshd.log import get_logger
+from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.wire import ErrorCode, GenerateRequest, StatusRequest, StreamEvent, WireError
+
+REQUEST_TIMEOUT = 30.0
+FORWARD_EVENT_TIMEOUT = 120.0
+log = get_logger(__name__)
+
+
+class ControlServer:
+    def __init__(self, daemon, path: Path) -> None:
+        self.daemon, self.path = daemon, Path(path)
+        self._ids = itertools.count(1)
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
+            self._remove_stale()
+        sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            await sock.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        sock.listen(64)
+        listener = trio.SocketListener(sock)
+        try:
+            task_status.started()
+            await trio.serve_listeners(self._serve_client, [listener])
+        finally:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _remove_stale(self) -> None:
+        probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.path))
+        except OSError:
+            self.path.unlink()  # nobody listens: a leftover of a daemon that died
+            return
+        finally:
+            probe.close()
+        raise OSError(f"another daemon is already listening on {self.path}")
+
+    async def _serve_client(self, stream: trio.SocketStream) -> None:
+        channel = Channel.over_trio(stream)
+        try:
+            msg = await channel.receive(REQUEST_TIMEOUT)
+            if isinstance(msg, StatusRequest):
+                await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=self.daemon.status()))
+            elif isinstance(msg, GenerateRequest):
+                await self._generate_for(channel, msg, watch_client=True)
+            else:
+                await channel.send(error_event(0, ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__}"))
+        except (ChannelClosed, trio.TooSlowError, WireError):
+            pass
+        finally:
+            await channel.aclose()
+
+    async def serve_remote_generate(self, stream) -> None:
+        """/meshd/gen/1.0.0: another daemon forwards its client's request to this entry."""
+        channel = Channel.over_libp2p(stream)
+        try:
+            msg = await channel.receive(REQUEST_TIMEOUT)
+            if isinstance(msg, GenerateRequest):
+                await self._generate_for(channel, msg, watch_client=True)
+        except (ChannelClosed, trio.TooSlowError, WireError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await channel.aclose()
+
+    async def _generate_for(self, channel: Channel, req: GenerateRequest, watch_client: bool) -> None:
+        """Run (or forward) one generation, streaming events; cancelled if the client goes away."""
+        async def emit(event: StreamEvent) -> None:
+            await channel.send(event)
+
+        async with trio.open_nursery() as nursery:
+            if watch_client:
+                nursery.start_soon(self._watch, channel, nursery.cancel_scope)
+            try:
+                stats = await self._generate(req, emit)
+                await channel.send(StreamEvent(request_id=req.request_id, kind="done", stats=stats))
+            except GenerationError as exc:
+                await channel.send(error_event(req.request_id, exc.code, str(exc)))
+            except ChannelClosed:
+                log.info("client went away; generation cancelled", request_id=req.request_id)
+            nursery.cancel_scope.cancel()
+
+    async def _watch(self, channel: Channel, scope: trio.CancelScope) -> None:
+        """Cancel the generation when the client's side of the stream ends."""
+        try:
+            while True:
+                await channel.receive(1e9)
+        except (ChannelClosed, WireError, trio.TooSlowError):
+            log.info("client disconnected")
+            scope.cancel()
+
+    async def _generate(self, req: GenerateRequest, emit) -> dict:
+        d = self.daemon
+        if d.state != "serving":
+            raise GenerationError(ErrorCode.BUSY, f"this daemon is {d.state}, not serving yet")
+        d.active_generations += 1
+        try:
+            if d.entry is not None:
+                return await d.entry.generate(req, emit)
+            return await self._forward(req, emit)
+        finally:
+            d.active_generations -= 1
+
+    async def _forward(self, req: GenerateRequest, emit) -> dict:
+        d = self.daemon
+        entry = d.find_entry()
+        if entry is None:
+            raise GenerationError(ErrorCode.NO_ROUTE, "no live daemon serves layer 0 (no entry point)")
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT):
+                await d.ensure_connected(entry.peer_id, entry.addrs)
+                stream = await d.host.new_stream(ID.from_base58(entry.peer_id), [GEN_PROTOCOL])
+        except Exception as exc:
+            raise GenerationError(ErrorCode.HOP_FAILED, f"entry {entry.peer_id[-8:]} unreachable: {exc}") from None
+        remote = Channel.over_libp2p(stream)
+        try:
+            await remote.send(req)
+            while True:
+                try:
+                    event = await remote.receive(FORWARD_EVENT_TIMEOUT)
+                except (ChannelClosed, trio.TooSlowError, WireError) as exc:
+                    raise GenerationError(ErrorCode.HOP_FAILED, f"entry stream failed: {exc}") from None
+                if event.kind == "text":
+                    await emit(event)
+                elif event.kind == "done":
+                    stats = dict(event.stats)
+                    stats["forwarded_to"] = entry.peer_id
+                    return stats
+                else:
+                    raise GenerationError(event.stats.get("code", ErrorCode.HOP_FAILED), event.text)
+        finally:
+            with trio.CancelScope(shield=True):
+                await remote.aclose()
+
+
+def error_event(request_id: int, code: str, message: str) -> StreamEvent:
+    return StreamEvent(request_id=request_id, kind="error", text=message, stats={"code": str(code)})

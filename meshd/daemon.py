@@ -1,0 +1,213 @@
+"""The meshd daemon: join the mesh, load a layer range, serve it, answer the local socket.
+
+Rules: one trio program; every background loop lives in the daemon's nursery; model loading runs
+in a worker thread so the host keeps answering while weights load; SIGTERM and SIGINT withdraw the
+record, close sessions and remove the socket before the process exits.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import multiaddr
+import trio
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.tools.anyio_service import background_trio_service
+
+from meshd.control import ControlServer
+from meshd.dht.coverage import choose_range
+from meshd.dht.record import NAMESPACE, CoverageRecord
+from meshd.dht.validator import CoverageValidator
+from meshd.gen import GEN_PROTOCOL, SHARD_PROTOCOL, Entry
+from meshd.log import get_logger
+from meshd.mesh import MeshView
+from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
+from meshd.serve import ShardService
+from meshd.settings import Settings
+from meshd.shard.artifact import open_artifact
+from meshd.shard.endpoint import ShardEndpoint
+from meshd.shard.recipe import get_recipe
+from meshd.shard.runtime import Shard
+
+AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
+log = get_logger(__name__)
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.state = "starting"
+        self.started_at = time.time()
+        self.shard: Shard | None = None
+        self.service: ShardService | None = None
+        self.tokenizer = None
+        self.entry: Entry | None = None
+        self.host = self.mesh = None
+        self.active_generations = 0
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        self.recipe = get_recipe(s.recipe)
+        self.artifact = await trio.to_thread.run_sync(open_artifact, s.model)
+        cfg = self.artifact.config
+        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.family, "artifact")
+        fixed = s.parse_layers(cfg.n_layers)
+        key_pair = load_or_create_identity(s.state_path)
+        async with open_host(key_pair, s.listen) as host:
+            self.host = host
+            dht = KadDHT(host, DHTMode.SERVER)
+            dht.register_validator(NAMESPACE, CoverageValidator())
+            async with background_trio_service(dht), trio.open_nursery() as nursery:
+                self.nursery = nursery
+                pid = host.get_id().to_base58()
+                start, end = fixed or (0, 1)
+                record = CoverageRecord(peer_id=pid, addrs=tuple(full_addrs(host)), model=self.artifact.fingerprint,
+                                        recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
+                                        model_name=self.artifact.name, serving=False)
+                self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl)
+                control = ControlServer(self, s.socket_path)
+                await nursery.start(control.serve)
+                log.info("daemon up", peer_id=pid, addrs=full_addrs(host), socket=str(s.socket_path))
+                if s.bootstrap:
+                    reached = await self.mesh.connect_bootstrap(s.bootstrap)
+                    if not reached:
+                        log.error("no bootstrap peer reachable; serving alone until one dials in")
+                if fixed is None:
+                    self.state = "choosing layers"
+                    start, end = await self._choose_auto(cfg)
+                self.mesh.record = replace(self.mesh.record, start=start, end=end)
+                await self.mesh.publish()
+                nursery.start_soon(self.mesh.publish_loop)
+                nursery.start_soon(self.mesh.coverage_loop)
+                self.state = "loading"
+                await self._load(start, end)
+                host.set_stream_handler(SHARD_PROTOCOL, self.service.serve_stream)
+                host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
+                await self.mesh.publish(serving=True, throughput=self.throughput,
+                                        free_sessions=max(0, self.settings.kv_budget // self._session_bytes()))
+                self.state = "serving"
+                log.info("serving", layers=f"{start}:{end}", load_s=round(self.shard.load_seconds, 2),
+                         throughput=round(self.throughput, 1))
+                task_status.started()
+                await self._wait_for_signal()
+                self.state = "stopping"
+                log.info("stopping: withdrawing record")
+                await self.mesh.withdraw()
+                nursery.cancel_scope.cancel()
+
+    async def _wait_for_signal(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal received", signal=signal.Signals(signum).name)
+                return
+
+    async def _choose_auto(self, cfg) -> tuple[int, int]:
+        """Coverage first: watch the mesh briefly, then take the largest gap we can hold."""
+        with trio.move_on_after(AUTO_SETTLE_S):
+            for _ in range(3):
+                await self.mesh.refresh()
+                await trio.sleep(0.5)
+        want = self.settings.num_layers or cfg.n_layers
+        if self.settings.memory:
+            per_layer = self._layer_bytes()
+            want = min(want, max(1, self.settings.memory // per_layer))
+        coverage = self.mesh.coverage.without(self.mesh.peer_id)
+        start, end = choose_range(coverage, want)
+        log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())
+        return start, end
+
+    def _layer_bytes(self) -> int:
+        """Resident bytes of one layer under this recipe (float32: 4 bytes per parameter)."""
+        from meshd.shard.runtime import FAMILIES
+
+        names = FAMILIES[self.artifact.config.family].tensor_names(self.artifact.kind, self.artifact.config, 0)
+        params = sum(self.artifact.tensor_elements(n) for n in names)
+        return params * (4 if self.recipe.weight_dtype == "float32" else 1)
+
+    def _session_bytes(self) -> int:
+        return max(1, self.shard.kv.bytes_for(2048))
+
+    async def _load(self, start: int, end: int) -> None:
+        def load():
+            shard = Shard(self.artifact, start, end, self.recipe, kv_budget_bytes=self.settings.kv_budget)
+            tokenizer = None
+            if shard.is_head:
+                from meshd.shard.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(self.artifact)
+            return shard, tokenizer
+
+        self.shard, self.tokenizer = await trio.to_thread.run_sync(load)
+        self.service = ShardService(ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp))
+        self.throughput = await trio.to_thread.run_sync(self._measure_throughput)
+        if self.shard.is_head:
+            self.entry = Entry(self)
+
+    def _measure_throughput(self) -> float:
+        """Layer-steps per second of a decode step on this machine (advertised for routing)."""
+        import torch
+
+        shard, key = self.shard, ("throughput-probe", 0)
+        shard.open_session(key, 16)
+        x = torch.tensor([[1]]) if shard.is_head else torch.zeros(1, 1, self.artifact.config.hidden)
+        try:
+            shard.forward(key, x, 0)
+            t0 = time.perf_counter()
+            for pos in range(1, 5):
+                shard.forward(key, x, pos)
+            per_step = (time.perf_counter() - t0) / 4
+        finally:
+            shard.release(key)
+        return (shard.end - shard.start) / per_step
+
+    async def ensure_connected(self, peer_id: str, addrs) -> None:
+        pid = ID.from_base58(peer_id)
+        if pid in self.host.get_connected_peers():
+            return
+        maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+        await self.host.connect(PeerInfo(pid, maddrs))
+
+    def find_entry(self) -> CoverageRecord | None:
+        """A live serving peer that holds layer 0 (for forwarding a request)."""
+        for r in self.mesh.coverage.serving().records:
+            if r.start == 0 and r.peer_id != self.mesh.peer_id:
+                return r
+        return None
+
+    def status(self) -> dict:
+        cov = self.mesh.coverage if self.mesh else None
+        rec = self.mesh.record if self.mesh else None
+        serving = cov.serving() if cov else None
+        return {
+            "peer_id": rec.peer_id if rec else None,
+            "addrs": list(full_addrs(self.host)) if self.host else [],
+            "state": self.state,
+            "model": self.artifact.name if hasattr(self, "artifact") else None,
+            "model_fingerprint": self.artifact.fingerprint if hasattr(self, "artifact") else None,
+            "recipe": self.recipe.name if hasattr(self, "recipe") else None,
+            "range": [rec.start, rec.end] if rec and self.state != "choosing layers" else None,
+            "n_layers": rec.n_layers if rec else None,
+            "sessions": len(self.shard.kv) if self.shard else 0,
+            "kv_bytes": self.shard.kv.used_bytes if self.shard else 0,
+            "generations": self.active_generations,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "throughput": round(getattr(self, "throughput", 0.0), 1),
+            "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
+                       "addrs": list(r.addrs), "throughput": round(r.throughput, 1),
+                       "expires_in_s": round(r.expires_at - time.time(), 1)}
+                      for r in (cov.records if cov else ()) if r.peer_id != (rec.peer_id if rec else None)],
+            "coverage": serving.counts() if serving else [],
+            "gaps": [list(g) for g in serving.gaps()] if serving else [],
+            "complete": serving.complete if serving else False,
+        }
+
+
+def run_daemon(settings: Settings) -> int:
+    Path(settings.state_path).mkdir(parents=True, exist_ok=True)
+    trio.run(Daemon(settings).run)
+    return 0

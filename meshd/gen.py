@@ -1,0 +1,245 @@
+"""Generation at an entry daemon: plan a route, open a session on every hop, pipeline, stream text.
+
+Rules: the entry runs its own layers [0, k) and holds one long-lived stream per further hop; each
+hop's output comes back to the entry, which passes it to the next hop as soon as it arrives, so
+prefill chunks overlap across stages. The tail's token reaches the entry without waiting on
+anything else. Every wait has a deadline. A hop that fails makes the entry plan a new route (new
+epoch) without that peer and replay the prompt and the tokens so far: the client sees a pause,
+not an error, while the mesh still covers the model. Close, cancel or a vanished client release
+the KV on every hop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from meshd.log import get_logger
+from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.routing.plan import NoRoute, Route, plan_route
+from meshd.shard.endpoint import token_frame
+from meshd.shard.tokenizer import TextStream, encode_prompt
+from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Message, OpenSession, Opened, Phase,
+                        StreamEvent, Token, WireError, chunk_spans)
+
+SHARD_PROTOCOL = TProtocol("/meshd/shard/1.0.0")
+GEN_PROTOCOL = TProtocol("/meshd/gen/1.0.0")
+OPEN_TIMEOUT = 30.0
+STEP_TIMEOUT = 60.0
+MAX_ATTEMPTS = 3
+log = get_logger(__name__)
+
+
+class HopFailed(RuntimeError):
+    def __init__(self, peer_id: str, reason: str, retriable: bool = True):
+        self.peer_id, self.retriable = peer_id, retriable
+        super().__init__(f"hop {peer_id[-8:]} failed: {reason}")
+
+
+class GenerationError(RuntimeError):
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass
+class Progress:
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    route: list = field(default_factory=list)
+    reroutes: int = 0
+
+
+Emit = Callable[[StreamEvent], Awaitable[None]]
+
+
+def first_of(group: BaseExceptionGroup) -> BaseException:
+    """The error that matters in a task group: a generation or hop error if any, else the group."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            exc = first_of(exc)
+        if isinstance(exc, (HopFailed, GenerationError)):
+            return exc
+    return group
+
+
+class Entry:
+    """Runs generations for a daemon that serves layer 0."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+
+    async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
+        d = self.daemon
+        ids = encode_prompt(d.tokenizer, req.prompt, req.chat)
+        eos = {i for i in (d.artifact.config.eos_id, d.tokenizer.eos_token_id) if i is not None}
+        limit = d.artifact.config.max_positions - len(ids)
+        if limit <= 0:
+            raise GenerationError(ErrorCode.BAD_FRAME, f"prompt of {len(ids)} tokens exceeds the context")
+        max_tokens = max(0, min(req.max_tokens, limit))
+        text = TextStream(d.tokenizer)
+        progress = Progress()
+        t0 = time.perf_counter()
+        exclude: set[str] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                try:
+                    await self._attempt(req, ids, max_tokens, eos, attempt, exclude, progress, text, emit)
+                except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
+                    raise first_of(group) from None
+                break
+            except HopFailed as exc:
+                log.warning("hop failed, rerouting", error=str(exc), attempt=attempt)
+                if not exc.retriable or attempt == MAX_ATTEMPTS - 1:
+                    raise GenerationError(ErrorCode.HOP_FAILED, str(exc)) from None
+                exclude.add(exc.peer_id)
+                progress.reroutes += 1
+                await d.mesh.refresh()
+        end = time.perf_counter()
+        n = len(progress.tokens)
+        first = progress.first_token_at or end
+        return {"ttft_s": round(first - t0, 4), "tokens": n, "prompt_tokens": len(ids),
+                "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
+                "route": progress.route, "reroutes": progress.reroutes}
+
+    def _plan(self, exclude: set[str]) -> Route:
+        d = self.daemon
+        coverage = d.mesh.coverage.serving()
+        try:
+            return plan_route(coverage, d.shard.end, exclude=exclude | {d.mesh.peer_id})
+        except NoRoute as exc:
+            raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
+
+    async def _attempt(self, req, ids, max_tokens, eos, epoch, exclude, progress: Progress, text, emit) -> None:
+        d = self.daemon
+        route = self._plan(exclude)
+        progress.route = [[d.mesh.peer_id, 0, d.shard.end]] + route.describe()
+        sid = os.urandom(16)
+        hops: list[tuple[str, Channel]] = []
+        local_key = (sid, epoch)
+        tokens_send, tokens_recv = trio.open_memory_channel[Token](16)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._open_local(sid, epoch, req, ids, max_tokens)
+                for hop in route.hops:
+                    hops.append((hop.peer_id, await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens)))
+                for i, (peer, channel) in enumerate(hops):
+                    nxt = hops[i + 1][1] if i + 1 < len(hops) else None
+                    nursery.start_soon(self._pump, peer, channel, nxt, tokens_send)
+                history = ids + progress.tokens  # a replay after rerouting feeds back what was generated
+                token = await self._prefill(sid, epoch, history, hops, tokens_recv)
+                position = len(history)
+                while len(progress.tokens) < max_tokens:
+                    if progress.first_token_at is None:
+                        progress.first_token_at = time.perf_counter()
+                    progress.tokens.append(token)
+                    piece = text.push(token)
+                    if piece:
+                        await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token))
+                    if token in eos or len(progress.tokens) >= max_tokens:
+                        break
+                    token = await self._step(sid, epoch, len(progress.tokens), Phase.DECODE, position, [token],
+                                             hops, tokens_recv)
+                    position += 1
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                d.service.endpoint.release(local_key)
+                with trio.move_on_after(2.0):
+                    for _, channel in hops:
+                        try:
+                            await channel.send(Close(session_id=sid, epoch=epoch))
+                        except ChannelClosed:
+                            pass
+                        await channel.aclose()
+
+    async def _open_local(self, sid, epoch, req, ids, max_tokens) -> None:
+        d = self.daemon
+        reply = await d.service.handle(self._open_msg(sid, epoch, 0, d.shard.end, req, len(ids) + max_tokens))
+        if not isinstance(reply[0], Opened):
+            raise GenerationError(reply[0].code, reply[0].message)
+
+    def _open_msg(self, sid, epoch, start, end, req, max_length) -> OpenSession:
+        d = self.daemon
+        return OpenSession(request_id=req.request_id, session_id=sid, epoch=epoch, start=start, end=end,
+                           model_fingerprint=d.artifact.fingerprint, recipe_fingerprint=d.recipe_fp,
+                           max_length=max_length, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                           seed=req.seed)
+
+    async def _open_hop(self, hop, sid, epoch, req, max_length) -> Channel:
+        d = self.daemon
+        try:
+            with trio.fail_after(OPEN_TIMEOUT):
+                await d.ensure_connected(hop.peer_id, hop.addrs)
+                stream = await d.host.new_stream(ID.from_base58(hop.peer_id), [SHARD_PROTOCOL])
+                channel = Channel.over_libp2p(stream)
+                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length))
+                reply = await channel.receive(OPEN_TIMEOUT)
+        except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
+            raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
+        except Exception as exc:  # libp2p dial and negotiation errors
+            raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}") from None
+        if isinstance(reply, Error):
+            raise HopFailed(hop.peer_id, f"{reply.code}: {reply.message}", retriable=reply.retriable or
+                            reply.code in (ErrorCode.BUSY, ErrorCode.UNKNOWN_SESSION))
+        if not isinstance(reply, Opened):
+            raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
+        return channel
+
+    async def _pump(self, peer: str, channel: Channel, nxt: Channel | None, tokens: trio.MemorySendChannel) -> None:
+        """Move one hop's outputs on: hidden states to the next hop, tokens to the entry."""
+        while True:
+            try:
+                msg = await channel.receive(STEP_TIMEOUT * 10)
+            except (ChannelClosed, WireError, trio.TooSlowError) as exc:
+                raise HopFailed(peer, str(exc) or type(exc).__name__) from None
+            if isinstance(msg, Error):
+                raise HopFailed(peer, f"{msg.code}: {msg.message}", retriable=True)
+            if isinstance(msg, Token):
+                await tokens.send(msg)
+            elif isinstance(msg, Forward) and nxt is not None:
+                try:
+                    await nxt.send(msg)
+                except ChannelClosed as exc:
+                    raise HopFailed(peer, f"next hop closed: {exc}") from None
+
+    async def _local(self, frame: Forward) -> Message | None:
+        replies = await self.daemon.service.handle(frame)
+        if replies and isinstance(replies[0], Error):
+            raise GenerationError(replies[0].code, replies[0].message)
+        return replies[0] if replies else None
+
+    async def _step(self, sid, epoch, step, phase, position, ids, hops, tokens_recv, chunk=(0, 1)) -> int | None:
+        out = await self._local(token_frame(sid, epoch, step, phase, position, ids, *chunk))
+        if isinstance(out, Token):
+            return out.token_id
+        if out is not None:
+            peer, first = hops[0]
+            try:
+                await first.send(out)
+            except ChannelClosed as exc:
+                raise HopFailed(peer, str(exc)) from None
+        if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
+            return None
+        return await self._next_token(tokens_recv, hops)
+
+    async def _prefill(self, sid, epoch, ids, hops, tokens_recv) -> int:
+        spans = chunk_spans(len(ids))
+        token = None
+        for ci, (a, b) in enumerate(spans):
+            token = await self._step(sid, epoch, 0, Phase.PREFILL, a, ids[a:b], hops, tokens_recv, (ci, len(spans)))
+        assert token is not None
+        return token
+
+    async def _next_token(self, tokens_recv, hops) -> int:
+        with trio.move_on_after(STEP_TIMEOUT) as scope:
+            msg = await tokens_recv.receive()
+        if scope.cancelled_caught:
+            raise HopFailed(hops[-1][0], f"no token within {STEP_TIMEOUT:.0f} s")
+        return msg.token_id

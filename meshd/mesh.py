@@ -1,0 +1,135 @@
+"""The daemon's view of the mesh: its own signed record, publishing, and the coverage map.
+
+Rules: the record is republished well before it expires (a third of its TTL), so a daemon that
+dies shows as a gap within one TTL plus one refresh; reads that must be fresh drop the local copy
+first (py-libp2p's get_value answers from its local store and caches every read).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import trio
+from libp2p.peer.id import ID
+
+from meshd.dht.coverage import CoverageMap
+from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
+from meshd.log import get_logger
+
+COVERAGE_INTERVAL = 2.0
+LOOKUP_TIMEOUT = 3.0
+log = get_logger(__name__)
+
+
+class MeshView:
+    def __init__(self, host, dht, key_pair, record: CoverageRecord, ttl_s: float) -> None:
+        self.host, self.dht, self.key_pair = host, dht, key_pair
+        self.record, self.ttl_s = record, ttl_s
+        self.known: dict[str, CoverageRecord] = {}
+        self.coverage = CoverageMap.build(record.n_layers, [record])
+        self.updated = trio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        return self.record.peer_id
+
+    async def publish(self, **changes) -> None:
+        """Sign and store the next version of this daemon's record."""
+        self.record = bump(self.record, self.ttl_s, **changes)
+        value = sign_record(self.record, self.key_pair.private_key)
+        with trio.move_on_after(LOOKUP_TIMEOUT * 2):
+            try:
+                await self.dht.put_value(record_key(self.peer_id), value)
+            except Exception as exc:  # a failed store is retried at the next refresh
+                log.warning("publishing record failed", error=str(exc))
+
+    async def withdraw(self) -> None:
+        """Publish a record that has already expired, so the range shows as free at once."""
+        self.record = replace(self.record, seq=self.record.seq + 1, expires_at=time.time(), serving=False)
+        value = sign_record(self.record, self.key_pair.private_key)
+        key = record_key(self.peer_id)
+        with trio.move_on_after(LOOKUP_TIMEOUT):
+            try:
+                self.dht.value_store.put(key.encode(), value)
+                for peer in self.host.get_connected_peers():
+                    with trio.move_on_after(1.0):
+                        await self.dht.value_store._store_at_peer(peer, key.encode(), value)
+            except Exception as exc:
+                log.warning("withdrawing record failed", error=str(exc))
+
+    async def publish_loop(self) -> None:
+        while True:
+            await trio.sleep(self.ttl_s / 3)
+            await self.publish()
+
+    async def fetch(self, peer_id: str) -> CoverageRecord | None:
+        key = record_key(peer_id)
+        self.dht.value_store.remove(key.encode())
+        with trio.move_on_after(LOOKUP_TIMEOUT):
+            try:
+                value = await self.dht.get_value(key)
+            except Exception:
+                return None
+            if value is None:
+                return None
+            try:
+                return open_record(value, key=key)
+            except RecordError:
+                return None
+        return None
+
+    async def refresh(self) -> CoverageMap:
+        """Rebuild the coverage map from fresh records of every peer we know of."""
+        candidates = {p.to_base58() for p in self.dht.routing_table.get_peer_ids()}
+        candidates |= {p.to_base58() for p in self.host.get_connected_peers()}
+        candidates |= set(self.known)
+        candidates.discard(self.peer_id)
+        found: dict[str, CoverageRecord] = {}
+
+        async def one(pid: str) -> None:
+            rec = await self.fetch(pid)
+            if rec is not None and rec.model == self.record.model:
+                found[pid] = rec
+
+        async with trio.open_nursery() as nursery:
+            for pid in candidates:
+                nursery.start_soon(one, pid)
+        now = time.time()
+        # keep remembering peers whose records we saw recently, so a lookup miss is not a gap at once
+        for pid, rec in list(self.known.items()):
+            if pid not in found and rec.expired(now):
+                del self.known[pid]
+        self.known.update(found)
+        live = [r for r in self.known.values() if not r.expired(now)] + [self.record]
+        self.coverage = CoverageMap.build(self.record.n_layers, live, model=self.record.model,
+                                          recipe=self.record.recipe, now=now)
+        self.updated.set()
+        self.updated = trio.Event()
+        return self.coverage
+
+    async def coverage_loop(self) -> None:
+        while True:
+            await self.refresh()
+            await trio.sleep(COVERAGE_INTERVAL)
+
+    async def connect_bootstrap(self, addrs: list[str]) -> list[str]:
+        """Dial each bootstrap address and add it to the DHT; returns the peers reached."""
+        from meshd.p2p.host import connect
+
+        reached = []
+        for addr in addrs:
+            try:
+                pid = await connect(self.host, addr)
+            except Exception as exc:
+                log.warning("bootstrap peer unreachable", addr=addr, error=str(exc) or type(exc).__name__)
+                continue
+            await self.dht.add_peer(pid)
+            reached.append(pid.to_base58())
+        if reached:
+            with trio.move_on_after(LOOKUP_TIMEOUT * 2):
+                await self.dht.refresh_routing_table()
+        return reached
+
+    def peer_info(self, peer_id: str) -> ID:
+        return ID.from_base58(peer_id)

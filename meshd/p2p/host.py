@@ -1,0 +1,73 @@
+"""The libp2p host of a daemon: persistent Ed25519 identity, Noise only, Yamux, one connection per peer.
+
+Rules (from py-libp2p 0.8.1's measured pitfalls): offer Noise alone (the default also accepts
+plaintext); cap connections per peer at one (the default makes every connect wait ~250 ms);
+keep libp2p's own loggers quiet. Streams are framed by `StreamChannel` (meshd.wire over a stream).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519
+from libp2p.identity_utils import load_identity, save_identity
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+IDENTITY_FILE = "identity.key"
+
+
+def load_or_create_identity(state_dir: Path):
+    """The daemon's key pair, kept in state_dir/identity.key (mode 0600)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / IDENTITY_FILE
+    if path.exists():
+        return load_identity(path)
+    kp = create_new_key_pair()
+    save_identity(kp, path)
+    os.chmod(path, 0o600)
+    return kp
+
+
+def make_host(key_pair):
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519().private_key)
+    return new_host(key_pair=key_pair, sec_opt={NOISE_PROTOCOL_ID: noise},
+                    muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+                    connection_config=ConnectionConfig(max_connections_per_peer=1))
+
+
+@asynccontextmanager
+async def open_host(key_pair, listen: list[str]) -> AsyncIterator:
+    """A running host listening on `listen` multiaddrs (none: dial-out only)."""
+    host = make_host(key_pair)
+    async with host.run([multiaddr.Multiaddr(a) for a in listen]):
+        yield host
+
+
+def full_addrs(host) -> list[str]:
+    """The host's listen addresses, each ending in /p2p/<peer id>."""
+    pid = host.get_id().to_base58()
+    out = []
+    for a in host.get_addrs():
+        s = str(a)
+        out.append(s if "/p2p/" in s else f"{s}/p2p/{pid}")
+    return out
+
+
+async def connect(host, addr: str, timeout: float = 10.0):
+    """Dial a /.../p2p/<id> multiaddr; returns the peer id. Raises on failure or timeout."""
+    info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+    with trio.fail_after(timeout):
+        await host.connect(info)
+    return info.peer_id

@@ -1,0 +1,92 @@
+"""Daemon settings: command-line flags, then environment variables, then a TOML file, then defaults.
+
+Rule: flags win over the environment, which wins over the config file. Every setting has one
+name: flag `--num-layers`, environment `MESHD_NUM_LAYERS`, TOML key `num_layers`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/4690"]
+DEFAULT_CONFIG = "/etc/meshd/meshd.toml"
+
+
+def default_state_dir() -> Path:
+    if os.environ.get("STATE_DIRECTORY"):  # set by systemd's StateDirectory=
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(base) / "meshd"
+
+
+def default_socket(state_dir: Path) -> Path:
+    for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        value = os.environ.get(var)
+        if value:
+            base = Path(value.split(":")[0])
+            return base / "meshd.sock" if var == "RUNTIME_DIRECTORY" else base / "meshd" / "meshd.sock"
+    return state_dir / "meshd.sock"
+
+
+@dataclass
+class Settings:
+    bootstrap: list[str] = field(default_factory=list)
+    model: str = "smollm2"
+    layers: str = "auto"
+    num_layers: int = 0
+    memory: int = 0
+    listen: list[str] = field(default_factory=lambda: list(DEFAULT_LISTEN))
+    state_dir: str = ""
+    socket: str = ""
+    recipe: str = "exact"
+    record_ttl: float = 10.0
+    kv_budget: int = 1 << 30
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else default_socket(self.state_path)
+
+    def parse_layers(self, n_layers: int) -> tuple[int, int] | None:
+        """(start, end) for an explicit "A:B", None for "auto"."""
+        if self.layers == "auto":
+            return None
+        try:
+            a, b = (int(x) for x in self.layers.split(":"))
+        except ValueError:
+            raise ValueError(f"--layers must be auto or A:B, not {self.layers!r}") from None
+        if not 0 <= a < b <= n_layers:
+            raise ValueError(f"--layers {a}:{b} is not within the model's {n_layers} layers")
+        return a, b
+
+
+def load_settings(flags: dict, config_file: str | None = None, environ=os.environ) -> Settings:
+    """Merge defaults < TOML file < environment < flags (flags given as None are unset)."""
+    s = Settings()
+    path = config_file or environ.get("MESHD_CONFIG") or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists() else None)
+    values: dict = {}
+    if path:
+        with open(path, "rb") as f:
+            values.update(tomllib.load(f))
+    for f_ in fields(Settings):
+        env = environ.get(f"MESHD_{f_.name.upper()}")
+        if env is not None:
+            values[f_.name] = env.split(",") if isinstance(getattr(s, f_.name), list) else env
+    values.update({k: v for k, v in flags.items() if v is not None and v != []})
+    for f_ in fields(Settings):
+        if f_.name in values:
+            default = getattr(s, f_.name)
+            value = values[f_.name]
+            if isinstance(default, list) and isinstance(value, str):
+                value = [value]
+            setattr(s, f_.name, type(default)(value) if not isinstance(default, list) else list(value))
+    unknown = set(values) - {f_.name for f_ in fields(Settings)}
+    if unknown:
+        raise ValueError(f"unknown settings: {sorted(unknown)}")
+    return s
