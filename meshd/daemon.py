@@ -7,7 +7,9 @@ record, close sessions and remove the socket before the process exits.
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
+from meshd.compute import ComputeExecutor
 from meshd.control import ControlServer
 from meshd.dht.coverage import choose_range
 from meshd.dht.record import NAMESPACE, CoverageRecord
@@ -39,8 +42,10 @@ log = get_logger(__name__)
 
 
 class Daemon:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, compute: ComputeExecutor) -> None:
         self.settings = settings
+        self.compute = compute
+        self.stop_requested: trio.Event | None = None
         self.state = "starting"
         self.started_at = time.time()
         self.shard: Shard | None = None
@@ -51,6 +56,8 @@ class Daemon:
         self.active_generations = 0
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.stop_requested = trio.Event()
+        self.trio_token = trio.lowlevel.current_trio_token()
         s = self.settings
         self.recipe = get_recipe(s.recipe)
         self.artifact = await trio.to_thread.run_sync(open_artifact, s.model)
@@ -94,17 +101,23 @@ class Daemon:
                 log.info("serving", layers=f"{start}:{end}", load_s=round(self.shard.load_seconds, 2),
                          throughput=round(self.throughput, 1))
                 task_status.started()
-                await self._wait_for_signal()
+                await self.stop_requested.wait()
                 self.state = "stopping"
                 log.info("stopping: withdrawing record")
                 await self.mesh.withdraw()
                 nursery.cancel_scope.cancel()
 
-    async def _wait_for_signal(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("signal received", signal=signal.Signals(signum).name)
-                return
+    def request_stop(self, reason: str) -> None:
+        """Thread-safe: ask the daemon to withdraw its record and stop."""
+        def stop() -> None:
+            log.info("stop requested", reason=reason)
+            if self.stop_requested is not None:
+                self.stop_requested.set()
+
+        try:
+            self.trio_token.run_sync_soon(stop)
+        except (AttributeError, trio.RunFinishedError):
+            pass
 
     async def _choose_auto(self, cfg) -> tuple[int, int]:
         """Coverage first: watch the mesh briefly, then take the largest gap we can hold."""
@@ -142,9 +155,10 @@ class Daemon:
                 tokenizer = load_tokenizer(self.artifact)
             return shard, tokenizer
 
-        self.shard, self.tokenizer = await trio.to_thread.run_sync(load)
-        self.service = ShardService(ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp))
-        self.throughput = await trio.to_thread.run_sync(self._measure_throughput)
+        self.shard, self.tokenizer = await self.compute.run(load)
+        self.service = ShardService(ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp),
+                                    self.compute)
+        self.throughput = await self.compute.run(self._measure_throughput)
         if self.shard.is_head:
             self.entry = Entry(self)
 
@@ -197,6 +211,9 @@ class Daemon:
             "generations": self.active_generations,
             "uptime_s": round(time.time() - self.started_at, 1),
             "throughput": round(getattr(self, "throughput", 0.0), 1),
+            "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
+            "steps": self.service.steps if self.service else 0,
+            "compute_busy_s": round(self.compute.busy_s, 3),
             "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
                        "addrs": list(r.addrs), "throughput": round(r.throughput, 1),
                        "expires_in_s": round(r.expires_at - time.time(), 1)}
@@ -208,6 +225,40 @@ class Daemon:
 
 
 def run_daemon(settings: Settings) -> int:
+    """Run a daemon: trio in a second thread, tensor work on this (the main) thread.
+
+    SIGTERM and SIGINT stop it cleanly; a stop requested before the mesh is joined (while the
+    event loop cannot take it yet) ends the process at once.
+    """
     Path(settings.state_path).mkdir(parents=True, exist_ok=True)
-    trio.run(Daemon(settings).run)
+    compute = ComputeExecutor()
+    daemon = Daemon(settings, compute)
+    failure: list[BaseException] = []
+
+    def event_loop() -> None:
+        try:
+            trio.run(daemon.run)
+        except BaseException as exc:  # reported from the main thread below
+            failure.append(exc)
+        finally:
+            compute.stop()
+
+    def on_signal(signum, frame) -> None:
+        if daemon.stop_requested is None or daemon.state in ("starting",):
+            raise KeyboardInterrupt
+        daemon.request_stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loop = threading.Thread(target=event_loop, name="meshd-events", daemon=True)
+    loop.start()
+    try:
+        compute.serve()
+    except KeyboardInterrupt:
+        daemon.request_stop("interrupt")
+        loop.join(timeout=10)
+        return 130 if not failure else 1
+    loop.join()
+    if failure:
+        raise failure[0]
     return 0

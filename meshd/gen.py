@@ -54,6 +54,8 @@ class Progress:
     first_token_at: float | None = None
     route: list = field(default_factory=list)
     reroutes: int = 0
+    local_s: float = 0.0  # time in the entry's own layers
+    wait_s: float = 0.0  # time waiting for the rest of the route
 
 
 Emit = Callable[[StreamEvent], Awaitable[None]]
@@ -106,7 +108,8 @@ class Entry:
         first = progress.first_token_at or end
         return {"ttft_s": round(first - t0, 4), "tokens": n, "prompt_tokens": len(ids),
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
-                "route": progress.route, "reroutes": progress.reroutes}
+                "route": progress.route, "reroutes": progress.reroutes,
+                "entry_compute_s": round(progress.local_s, 3), "route_wait_s": round(progress.wait_s, 3)}
 
     def _plan(self, exclude: set[str]) -> Route:
         d = self.daemon
@@ -133,6 +136,7 @@ class Entry:
                     nxt = hops[i + 1][1] if i + 1 < len(hops) else None
                     nursery.start_soon(self._pump, peer, channel, nxt, tokens_send)
                 history = ids + progress.tokens  # a replay after rerouting feeds back what was generated
+                self.progress = progress
                 token = await self._prefill(sid, epoch, history, hops, tokens_recv)
                 position = len(history)
                 while len(progress.tokens) < max_tokens:
@@ -150,7 +154,7 @@ class Entry:
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
-                d.service.endpoint.release(local_key)
+                await d.service.release(local_key)
                 with trio.move_on_after(2.0):
                     for _, channel in hops:
                         try:
@@ -210,7 +214,9 @@ class Entry:
                     raise HopFailed(peer, f"next hop closed: {exc}") from None
 
     async def _local(self, frame: Forward) -> Message | None:
+        t0 = time.perf_counter()
         replies = await self.daemon.service.handle(frame)
+        self.progress.local_s += time.perf_counter() - t0
         if replies and isinstance(replies[0], Error):
             raise GenerationError(replies[0].code, replies[0].message)
         return replies[0] if replies else None
@@ -238,8 +244,10 @@ class Entry:
         return token
 
     async def _next_token(self, tokens_recv, hops) -> int:
+        t0 = time.perf_counter()
         with trio.move_on_after(STEP_TIMEOUT) as scope:
             msg = await tokens_recv.receive()
+        self.progress.wait_s += time.perf_counter() - t0
         if scope.cancelled_caught:
             raise HopFailed(hops[-1][0], f"no token within {STEP_TIMEOUT:.0f} s")
         return msg.token_id

@@ -7,8 +7,11 @@ it ends, so a vanished entry never leaves KV behind; every failure goes back as 
 
 from __future__ import annotations
 
+import time
+
 import trio
 
+from meshd.compute import ComputeExecutor
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.endpoint import ShardEndpoint
@@ -19,17 +22,27 @@ log = get_logger(__name__)
 
 
 class ShardService:
-    def __init__(self, endpoint: ShardEndpoint) -> None:
+    def __init__(self, endpoint: ShardEndpoint, compute: ComputeExecutor) -> None:
         self.endpoint = endpoint
-        self.compute = trio.Lock()
+        self.compute = compute
         self.active_streams = 0
+        self.compute_s = 0.0  # time spent in tensor work, for status and benchmarks
+        self.steps = 0
 
     async def handle(self, msg: Message) -> list[Message]:
-        """Answer one message; Forward runs in a worker thread under the shard's compute lock."""
+        """Answer one message on the compute thread (in arrival order)."""
         if isinstance(msg, (OpenSession, Close, Cancel)):
-            return self.endpoint.handle(msg)
-        async with self.compute:
-            return await trio.to_thread.run_sync(self.endpoint.handle, msg)
+            return await self.compute.run(self.endpoint.handle, msg)
+        t0 = time.perf_counter()
+        try:
+            return await self.compute.run(self.endpoint.handle, msg)
+        finally:
+            self.compute_s += time.perf_counter() - t0
+            self.steps += 1
+
+    async def release(self, key: tuple[bytes, int]) -> None:
+        """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
+        await self.compute.run(self.endpoint.release, key)
 
     async def serve_stream(self, stream) -> None:
         """The /meshd/shard/1.0.0 handler: serve frames until the stream ends."""
@@ -66,7 +79,7 @@ class ShardService:
             pass
         finally:
             self.active_streams -= 1
-            for key in opened:
-                self.endpoint.release(key)
             with trio.CancelScope(shield=True):
+                for key in opened:
+                    await self.release(key)
                 await channel.aclose()
