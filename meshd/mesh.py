@@ -37,6 +37,7 @@ class MeshView:
     async def publish(self, **changes) -> None:
         """Sign and store the next version of this daemon's record."""
         self.record = bump(self.record, self.ttl_s, **changes)
+        self._rebuild()
         value = sign_record(self.record, self.key_pair.private_key)
         with trio.move_on_after(LOOKUP_TIMEOUT * 2):
             try:
@@ -101,12 +102,16 @@ class MeshView:
             if pid not in found and rec.expired(now):
                 del self.known[pid]
         self.known.update(found)
-        live = [r for r in self.known.values() if not r.expired(now)] + [self.record]
-        self.coverage = CoverageMap.build(self.record.n_layers, live, model=self.record.model,
-                                          recipe=self.record.recipe, now=now)
+        self._rebuild(now)
         self.updated.set()
         self.updated = trio.Event()
         return self.coverage
+
+    def _rebuild(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        live = [r for r in self.known.values() if not r.expired(now)] + [self.record]
+        self.coverage = CoverageMap.build(self.record.n_layers, live, model=self.record.model,
+                                          recipe=self.record.recipe, now=now)
 
     async def coverage_loop(self) -> None:
         while True:

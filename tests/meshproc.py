@@ -1,0 +1,99 @@
+"""Real daemon processes on loopback for end-to-end tests: start, query, stop by PID.
+
+Every wait is bounded; every process a test starts is stopped by its own PID when the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+START_TIMEOUT = 120.0
+
+
+class DaemonProc:
+    def __init__(self, root: Path, name: str, args: list[str], env: dict | None = None) -> None:
+        self.name, self.dir = name, root / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket = self.dir / "s.sock"
+        self.log_path = self.dir / "log"
+        cmd = [sys.executable, "-m", "meshd.cli", "join", "--listen", "/ip4/127.0.0.1/tcp/0",
+               "--state-dir", str(self.dir / "state"), "--socket", str(self.socket), *args]
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "MESHD_RECORD_TTL": "6", **(env or {})})
+
+    def status(self, timeout: float = 10.0) -> dict | None:
+        out = ctl(self.socket, ["status", "--json"], timeout=timeout)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def wait_for(self, predicate, timeout: float = START_TIMEOUT, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            last = self.status() if self.socket.exists() else None
+            if last is not None and predicate(last):
+                return last
+            time.sleep(0.5)
+        raise AssertionError(f"daemon {self.name}: timed out waiting for {what}; last status {last}\n{self.tail()}")
+
+    def wait_serving(self) -> dict:
+        return self.wait_for(lambda s: s["state"] == "serving", what="serving")
+
+    @property
+    def addr(self) -> str:
+        return self.status()["addrs"][0]
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def ctl(socket: Path, args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(socket), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class Mesh:
+    """A set of daemons under one short temporary directory (Unix socket paths must stay short)."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="meshd-", dir="/tmp"))
+        self.daemons: list[DaemonProc] = []
+
+    def start(self, name: str, args: list[str], env: dict | None = None) -> DaemonProc:
+        d = DaemonProc(self.root, name, args, env)
+        self.daemons.append(d)
+        return d
+
+    def close(self) -> None:
+        for d in self.daemons:
+            d.terminate()
+        shutil.rmtree(self.root, ignore_errors=True)
