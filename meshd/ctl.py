@@ -2,7 +2,7 @@
 
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-            [--seed S] [--chat] [--stats] PROMPT
+            [--seed S] [--chat] [--stats] [--ignore-eos] PROMPT
 
 Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
 Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
@@ -100,7 +100,7 @@ async def generate(path: Path, args) -> int:
     channel = await open_channel(path)
     req = GenerateRequest(request_id=1, prompt=args.prompt, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat)
+                          chat=args.chat, ignore_eos=args.ignore_eos)
     try:
         await channel.send(req)
         while True:
@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stats", action="store_true", help="last stderr line: JSON timing and route")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-text")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
     return p
 

@@ -80,7 +80,8 @@ class Entry:
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         d = self.daemon
         ids = encode_prompt(d.tokenizer, req.prompt, req.chat)
-        eos = {i for i in (d.artifact.config.eos_id, d.tokenizer.eos_token_id) if i is not None}
+        eos = set() if req.ignore_eos else {i for i in (d.artifact.config.eos_id, d.tokenizer.eos_token_id)
+                                              if i is not None}
         limit = d.artifact.config.max_positions - len(ids)
         if limit <= 0:
             raise GenerationError(ErrorCode.BAD_FRAME, f"prompt of {len(ids)} tokens exceeds the context")

@@ -215,6 +215,7 @@ class GenerateRequest(Message):
     top_p: float = 1.0
     seed: int = 0
     chat: bool = False
+    ignore_eos: bool = False
 
 
 @message(MsgType.STATUS)
