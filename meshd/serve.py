@@ -15,7 +15,8 @@ from meshd.compute import ComputeExecutor
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.endpoint import ShardEndpoint
-from meshd.wire import (Cancel, Close, Error, ErrorCode, Heartbeat, Hello, Message, OpenSession, WireError)
+from meshd.wire import (Cancel, Close, Error, ErrorCode, Heartbeat, Hello, Message, OpenSession,
+                        UnsupportedVersion, WireError)
 
 IDLE_TIMEOUT = 300.0
 log = get_logger(__name__)
@@ -55,8 +56,9 @@ class ShardService:
                     msg = await channel.receive(IDLE_TIMEOUT)
                 except (ChannelClosed, trio.TooSlowError):
                     return
-                except WireError as exc:
-                    await channel.send(Error(code=ErrorCode.BAD_FRAME, message=str(exc)))
+                except WireError as exc:  # the stream can no longer be trusted: say why, then close
+                    code = ErrorCode.VERSION if isinstance(exc, UnsupportedVersion) else ErrorCode.BAD_FRAME
+                    await channel.send(Error(code=code, message=str(exc)))
                     return
                 if isinstance(msg, Hello):
                     await channel.send(Hello(agent="meshd", model_fingerprint=self.endpoint.model_fp,

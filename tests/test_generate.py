@@ -2,6 +2,7 @@
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import pytest
 from meshd.shard.artifact import open_artifact
 from meshd.shard.reference import load_reference, reference_greedy
 from meshd.shard.tokenizer import load_tokenizer
-from tests.meshproc import Mesh, ctl
+from meshd.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
@@ -98,3 +99,44 @@ def test_client_that_disconnects_leaves_no_kv_on_any_hop(mesh3):
         time.sleep(0.3)
     assert [(s["sessions"], s["kv_bytes"]) for s in sts] == [(0, 0)] * 3
     assert all(s["state"] == "serving" for s in sts)
+
+
+def test_bad_input_on_a_shard_stream_gets_a_clear_error_and_hurts_nothing(mesh3, expected):
+    """Garbage, an oversized frame and a wrong model fingerprint, sent by a real libp2p peer."""
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    from meshd import wire as w
+    from meshd.gen import SHARD_PROTOCOL
+    from meshd.p2p.channel import Channel
+    from meshd.p2p.host import connect, open_host
+
+    b = mesh3.daemons[1]
+    addr = b.status()["addrs"][0]
+    replies = []
+
+    async def probe():
+        async with open_host(create_new_key_pair(), []) as host:
+            pid = await connect(host, addr)
+            oversized = struct.pack("<III", 1 << 30, 16, 0)  # claims a 1 GiB frame: refused before reading it
+            for payload in (b"\xff" * 64, oversized):
+                stream = await host.new_stream(pid, [SHARD_PROTOCOL])
+                await stream.write(payload)
+                replies.append(await Channel.over_libp2p(stream).receive(20))
+                await stream.close()
+            stream = await host.new_stream(pid, [SHARD_PROTOCOL])
+            ch = Channel.over_libp2p(stream)
+            await ch.send(w.OpenSession(request_id=9, session_id=b"z" * 16, epoch=0, start=10, end=20,
+                                        model_fingerprint="0" * 64, recipe_fingerprint="0" * 64))
+            replies.append(await ch.receive(20))
+            await ch.aclose()
+            assert isinstance(ID.from_base58(b.status()["peer_id"]), ID)
+
+    trio.run(probe)
+    assert all(isinstance(r, w.Error) for r in replies), replies
+    assert replies[0].code == w.ErrorCode.BAD_FRAME and replies[2].code == w.ErrorCode.MODEL_MISMATCH
+    assert "exceeds the limit" in replies[1].message
+    assert b.status()["state"] == "serving" and b.status()["sessions"] == 0
+    out = generate(mesh3.daemons[0].socket, PROMPTS[2])
+    assert out.returncode == 0 and out.stdout == expected[PROMPTS[2]] + "\n"

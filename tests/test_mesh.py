@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tests.meshproc import Mesh, ctl
+from meshd.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 GAP_BOUND_S = 6 + 2 + 3 + 4  # record TTL (6 s in tests) + coverage interval + lookup timeout + slack

@@ -110,3 +110,26 @@ def test_endpoint_checks_fingerprints_and_range(artifact):
     assert isinstance(fwd, w.Forward) and fwd.tensors[0].shape == (1, 3, 64)
     ep.handle(w.Close(session_id=b"s" * 16, epoch=0))
     assert ep.shard.kv.used_bytes == 0 and not ep.sessions
+
+
+def test_sessions_can_enter_mid_range_and_leave_early(artifact):
+    whole = Shard(artifact, 0, 6)
+    ref, _ = split_run([whole], PROMPT, 8, key="ref")
+    a, b = Shard(artifact, 0, 4), Shard(artifact, 2, 6)
+    # route: a serves [0, 3), b is entered at layer 3 of its [2, 6)
+    a.open_session("m", start=0, end=3)
+    b.open_session("m", start=3, end=6)
+    assert b.kv.get("m").n_layers == 3
+    tokens, x, pos = [], torch.tensor([PROMPT]), 0
+    for _ in range(8):
+        x = b.forward("m", a.forward("m", x, pos), pos)
+        pos += 1 if tokens else len(PROMPT)
+        tokens.append(int(x.argmax()))
+        x = torch.tensor([[tokens[-1]]])
+    assert tokens == ref
+    with pytest.raises(ValueError, match="serves layers"):
+        b.open_session("bad", start=1, end=6)
+    ep = ShardEndpoint(b, "m", "r")
+    (opened,) = ep.handle(w.OpenSession(request_id=1, session_id=b"q" * 16, epoch=0, start=4, end=6,
+                                        model_fingerprint="m", recipe_fingerprint="r"))
+    assert isinstance(opened, w.Opened) and ep.sessions[(b"q" * 16, 0)].sampler is not None

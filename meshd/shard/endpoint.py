@@ -24,8 +24,8 @@ TOKENS, HIDDEN = "tokens", "hidden"
 
 @dataclass
 class SessionState:
-    sampler: Sampler | None
-    next_step: int = 0
+    sampler: Sampler | None  # set when the session ends at the last layer (it samples)
+    head: bool = False  # the session starts at layer 0 (takes token ids)
 
 
 class ShardEndpoint:
@@ -65,15 +65,14 @@ class ShardEndpoint:
         if msg.recipe_fingerprint != self.recipe_fp:
             return [self._error(msg, ErrorCode.RECIPE_MISMATCH,
                                 f"this shard runs recipe {self.recipe_fp[:12]}, not {msg.recipe_fingerprint[:12]}")]
-        if (msg.start, msg.end) != (self.shard.start, self.shard.end):
+        if not self.shard.start <= msg.start < msg.end <= self.shard.end:
             return [self._error(msg, ErrorCode.BAD_FRAME, f"this shard serves layers [{self.shard.start},"
                                 f" {self.shard.end}), not [{msg.start}, {msg.end})")]
         key = (msg.session_id, msg.epoch)
-        sampler = None
-        if self.shard.is_tail:
-            sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed))
-        self.shard.open_session(key, msg.max_length)
-        self.sessions[key] = SessionState(sampler)
+        tail = msg.end == self.shard.config.n_layers
+        sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
+        self.shard.open_session(key, msg.max_length, msg.start, msg.end)
+        self.sessions[key] = SessionState(sampler, head=msg.start == 0)
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
 
     def _forward(self, msg: Forward) -> list[Message]:
@@ -81,12 +80,12 @@ class ShardEndpoint:
         state = self.sessions.get(key)
         if state is None:
             raise CacheMiss(f"session {msg.session_id.hex()[:12]} epoch {msg.epoch} is not open here")
-        want = TOKENS if self.shard.is_head else HIDDEN
+        want = TOKENS if state.head else HIDDEN
         tensor = next((t for t in msg.tensors if t.name == want), None)
         if tensor is None:
             raise ValueError(f"forward frame lacks the {want!r} tensor")
         out = self.shard.forward(key, tensor.to_torch(), msg.position)
-        if not self.shard.is_tail:
+        if state.sampler is None:
             hidden = Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire))
             return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,
                             position=msg.position, chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,

@@ -28,10 +28,10 @@ class KVBudgetExceeded(RuntimeError):
 class SessionKV:
     """K and V for one session: [layers, 1, kv heads, capacity, head dim] each, filled to `length`."""
 
-    def __init__(self, store: "KVStore", key: Hashable, max_length: int) -> None:
-        self.store, self.key, self.max_length = store, key, max_length
+    def __init__(self, store: "KVStore", key: Hashable, max_length: int, n_layers: int) -> None:
+        self.store, self.key, self.max_length, self.n_layers = store, key, max_length, n_layers
         self.length = 0
-        self.k = self.v = store.empty(0)
+        self.k = self.v = store.empty(0, n_layers)
         self.last_used = store.clock()
 
     @property
@@ -53,8 +53,8 @@ class SessionKV:
         if pos + n > self.capacity:
             cap = min(self.max_length, max(pos + n, 2 * self.capacity))
             cap = min(self.max_length, -(-cap // GROW_STEP) * GROW_STEP)
-            self.store.charge(self, self.store.bytes_for(cap) - self.nbytes)
-            k, v = self.store.empty(cap), self.store.empty(cap)
+            self.store.charge(self, self.store.bytes_for(cap, self.n_layers) - self.nbytes)
+            k, v = self.store.empty(cap, self.n_layers), self.store.empty(cap, self.n_layers)
             k[:, :, :, :self.length] = self.k[:, :, :, :self.length]
             v[:, :, :, :self.length] = self.v[:, :, :, :self.length]
             self.k, self.v = k, v
@@ -84,18 +84,22 @@ class KVStore:
         self._sessions: dict[Hashable, SessionKV] = {}
         self._lock = threading.RLock()
 
-    def empty(self, cap: int) -> torch.Tensor:
-        return torch.empty(self.n_layers, 1, self.n_kv_heads, cap, self.head_dim, dtype=self.dtype)
+    def empty(self, cap: int, n_layers: int | None = None) -> torch.Tensor:
+        n_layers = self.n_layers if n_layers is None else n_layers
+        return torch.empty(n_layers, 1, self.n_kv_heads, cap, self.head_dim, dtype=self.dtype)
 
-    def bytes_for(self, positions: int) -> int:
+    def bytes_for(self, positions: int, n_layers: int | None = None) -> int:
+        n_layers = self.n_layers if n_layers is None else n_layers
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.n_layers * self.n_kv_heads * positions * self.head_dim * itemsize
+        return 2 * n_layers * self.n_kv_heads * positions * self.head_dim * itemsize
 
-    def open(self, key: Hashable, max_length: int) -> SessionKV:
-        """A new empty cache for key (replacing, and freeing, any earlier one)."""
+    def open(self, key: Hashable, max_length: int, n_layers: int | None = None) -> SessionKV:
+        """A new empty cache for key over n_layers layers (default: all of the shard's), replacing
+        and freeing any earlier one."""
         with self._lock:
             self.release(key)
-            kv = self._sessions[key] = SessionKV(self, key, max_length)
+            kv = self._sessions[key] = SessionKV(self, key, max_length,
+                                                 self.n_layers if n_layers is None else n_layers)
             return kv
 
     def get(self, key: Hashable) -> SessionKV:
@@ -112,7 +116,7 @@ class KVStore:
             if kv is None:
                 return False
             self.used_bytes -= kv.nbytes
-            kv.k = kv.v = self.empty(0)
+            kv.k = kv.v = self.empty(0, kv.n_layers)
             return True
 
     def evict_expired(self) -> list[Hashable]:

@@ -52,6 +52,7 @@ class Shard:
             self.tail = self.family.load_tail(artifact, recipe, self.head) if self.is_tail else None
             self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family == "llama" else None
         self.load_seconds = time.perf_counter() - t0
+        self._ranges: dict[Hashable, tuple[int, int]] = {}
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
                           kv_budget_bytes, kv_ttl_s)
         log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
@@ -84,10 +85,22 @@ class Shard:
                 total += t.numel()
         return total
 
-    def open_session(self, key: Hashable, max_length: int | None = None) -> None:
-        self.kv.open(key, min(max_length or self.max_positions, self.max_positions))
+    def open_session(self, key: Hashable, max_length: int | None = None, start: int | None = None,
+                     end: int | None = None) -> None:
+        """Open a session over layers [start, end) of this shard (default: all of them).
+
+        A route may enter a shard mid-range or leave it early; layer 0 needs the head's embedding,
+        so a session starts at 0 only on a head, and ends at the last layer only on a tail.
+        """
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        if not self.start <= start < end <= self.end:
+            raise ValueError(f"this shard serves layers [{self.start}, {self.end}), not [{start}, {end})")
+        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start)
+        self._ranges[key] = (start, end)
 
     def release(self, key: Hashable) -> bool:
+        self._ranges.pop(key, None)
         return self.kv.release(key)
 
     def forward(self, key: Hashable, x: torch.Tensor, position: int) -> torch.Tensor:
@@ -97,9 +110,10 @@ class Shard:
         states [1, n, hidden], or for the tail the logits of the last position [vocab] (float32).
         """
         kv = self.kv.get(key)
+        first, last = self._ranges.get(key, (self.start, self.end))
         compute = self.recipe.torch_compute
         with torch.inference_mode():
-            if self.is_head:
+            if first == 0:
                 if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
                     raise ValueError(f"the head takes token ids [1, n], got {x.dtype} {tuple(x.shape)}")
                 if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab):
@@ -113,10 +127,10 @@ class Shard:
             if n == 0:
                 raise ValueError("nothing to run: zero positions")
             kv.reserve(position, n)
-            for li, layer in enumerate(self.layers):
+            for li, layer in enumerate(self.layers[first - self.start:last - self.start]):
                 h = self.family.layer_forward(layer, h, self.config, self.rotary, kv, li, position)
             kv.commit(position + n)
-            if self.is_tail:
+            if last == self.config.n_layers:
                 return self.family.final(self.tail, h[:, -1:], self.config).float().reshape(-1)
             return h
 

@@ -1,4 +1,4 @@
-"""Real daemon processes on loopback for end-to-end tests: start, query, stop by PID.
+"""Real daemon processes on loopback (tests, benchmarks): start, query, stop by PID.
 
 Every wait is bounded; every process a test starts is stopped by its own PID when the test ends.
 """
