@@ -47,14 +47,7 @@ def bench_transformers(n: int, repeat: int) -> dict:
 def bench_mesh(ranges: list[tuple[int, int]], n: int, repeat: int) -> dict:
     mesh = Mesh()
     try:
-        first = None
-        for i, (a, b) in enumerate(ranges):
-            d = mesh.start(f"d{i}", ["--layers", f"{a}:{b}"] + (["--bootstrap", first] if first else []))
-            if first is None:
-                first = d.wait_serving()["addrs"][0]
-        for d in mesh.daemons:
-            d.wait_for(lambda s: s["complete"], timeout=120, what="coverage")
-        entry = mesh.daemons[0]
+        entry = mesh.start_chain(ranges)[0]
         decode, ttft = [], []
         ctl(entry.socket, ["generate", "--max-tokens", "4", "warm up"])
         for _ in range(repeat):

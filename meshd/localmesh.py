@@ -93,6 +93,21 @@ class Mesh:
         self.daemons.append(d)
         return d
 
+    def start_chain(self, ranges: list[tuple[int, int]], extra: list[str] | None = None) -> list[DaemonProc]:
+        """Daemons serving the given ranges, the first as bootstrap; returns once all serve and every
+        one of them sees every other serving."""
+        boot, started = None, []
+        for i, (a, b) in enumerate(ranges):
+            d = self.start(f"d{i}", ["--layers", f"{a}:{b}", *(["--bootstrap", boot] if boot else []), *(extra or [])])
+            started.append(d)
+            if boot is None:
+                boot = d.wait_serving()["addrs"][0]
+        for d in started:
+            d.wait_for(lambda s: s["state"] == "serving" and s["complete"]
+                       and sum(p["serving"] for p in s["peers"]) == len(ranges) - 1,
+                       what="every daemon serving")
+        return started
+
     def close(self) -> None:
         for d in self.daemons:
             d.terminate()

@@ -38,14 +38,7 @@ def expected():
 def mesh3():
     m = Mesh()
     try:
-        a = m.start("a", ["--layers", "0:10"])
-        boot = a.wait_serving()["addrs"][0]
-        b = m.start("b", ["--bootstrap", boot, "--layers", "10:20"])
-        c = m.start("c", ["--bootstrap", boot, "--layers", "20:30"])
-        for d in (b, c):
-            d.wait_serving()
-        for d in (a, b, c):
-            d.wait_for(lambda s: s["complete"], timeout=60, what="complete coverage")
+        m.start_chain([(0, 10), (10, 20), (20, 30)])
         yield m
     finally:
         m.close()
@@ -140,3 +133,29 @@ def test_bad_input_on_a_shard_stream_gets_a_clear_error_and_hurts_nothing(mesh3,
     assert b.status()["state"] == "serving" and b.status()["sessions"] == 0
     out = generate(mesh3.daemons[0].socket, PROMPTS[2])
     assert out.returncode == 0 and out.stdout == expected[PROMPTS[2]] + "\n"
+
+
+def test_a_hop_killed_mid_generation_is_routed_around(expected):
+    """Two daemons serve 10:20; the one in use is killed mid-stream; the text comes out whole."""
+    m = Mesh()
+    try:
+        a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)])
+        args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens", "120",
+                "--ignore-eos", "--stats", PROMPTS[1]]
+        solo = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert solo.returncode == 0, solo.stderr
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.read(1)
+        in_use = [d for d in (b1, b2) if d.status()["sessions"] == 1]
+        assert len(in_use) == 1
+        in_use[0].kill()
+        rest = proc.stdout.read()  # not communicate(): it would skip what the text wrapper buffered
+        err = proc.stderr.read()
+        assert proc.wait(60) == 0, err
+        stats = json.loads(err.strip().splitlines()[-1])
+        assert stats["reroutes"] >= 1 and stats["tokens"] == 120
+        assert solo.stdout[0] + rest == solo.stdout
+        survivor = b2 if in_use[0] is b1 else b1
+        assert survivor.status()["peer_id"] in [hop[0] for hop in stats["route"]]
+    finally:
+        m.close()
