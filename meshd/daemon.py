@@ -93,6 +93,7 @@ class Daemon:
                 nursery.start_soon(self.mesh.coverage_loop)
                 self.state = "loading"
                 await self._load(start, end)
+                nursery.start_soon(self._evict_loop)
                 host.set_stream_handler(SHARD_PROTOCOL, self.service.serve_stream)
                 host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
                 await self.mesh.publish(serving=True, throughput=self.throughput,
@@ -106,6 +107,14 @@ class Daemon:
                 log.info("stopping: withdrawing record")
                 await self.mesh.withdraw()
                 nursery.cancel_scope.cancel()
+
+    async def _evict_loop(self, period_s: float = 30.0) -> None:
+        """Free the KV of sessions idle past their TTL, so a vanished entry cannot hold memory."""
+        while True:
+            await trio.sleep(period_s)
+            evicted = await self.compute.run(self.service.endpoint.evict_expired)
+            if evicted:
+                log.info("evicted idle sessions", count=len(evicted))
 
     def request_stop(self, reason: str) -> None:
         """Thread-safe: ask the daemon to withdraw its record and stop."""

@@ -64,6 +64,22 @@ def test_kv_budget_ttl_and_cache_miss():
         store.get("b")
 
 
+def test_endpoint_evicts_idle_sessions(artifact):
+    now = [0.0]
+    shard = Shard(artifact, 0, 3, kv_ttl_s=10)
+    shard.kv.clock = lambda: now[0]
+    ep = ShardEndpoint(shard, "m", "r")
+    ep.handle(w.OpenSession(request_id=1, session_id=b"e" * 16, epoch=0, start=0, end=3, model_fingerprint="m",
+                            recipe_fingerprint="r"))
+    ep.handle(token_frame(b"e" * 16, 0, 0, w.Phase.PREFILL, 0, [1, 2]))
+    assert shard.kv.used_bytes > 0 and ep.evict_expired() == []
+    now[0] = 11.0
+    assert ep.evict_expired() == [(b"e" * 16, 0)]
+    assert shard.kv.used_bytes == 0 and not ep.sessions
+    (err,) = ep.handle(token_frame(b"e" * 16, 0, 1, w.Phase.DECODE, 2, [3]))
+    assert err.code == w.ErrorCode.UNKNOWN_SESSION
+
+
 def test_kv_replay_truncates_and_max_length_is_enforced():
     store = KVStore(1, 1, 4, torch.float32, budget_bytes=1 << 20)
     kv = store.open("s", max_length=100)

@@ -54,6 +54,12 @@ class ShardEndpoint:
         self.sessions.pop(key, None)
         self.shard.release(key)
 
+    def evict_expired(self) -> list[tuple[bytes, int]]:
+        evicted = self.shard.evict_expired()
+        for key in evicted:
+            self.sessions.pop(key, None)
+        return evicted
+
     def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
                      session_id=getattr(msg, "session_id", b""))

@@ -103,6 +103,13 @@ class Shard:
         self._ranges.pop(key, None)
         return self.kv.release(key)
 
+    def evict_expired(self) -> list[Hashable]:
+        """Release sessions idle past the KV TTL (their entry vanished without closing)."""
+        evicted = self.kv.evict_expired()
+        for key in evicted:
+            self._ranges.pop(key, None)
+        return evicted
+
     def forward(self, key: Hashable, x: torch.Tensor, position: int) -> torch.Tensor:
         """Run this shard's layers for one session on positions [position, position + n).
 
