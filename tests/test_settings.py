@@ -1,0 +1,51 @@
+"""Daemon settings: flags > MESHD_* environment > TOML file > defaults; layer ranges; memory budgets."""
+
+import pytest
+
+from meshd.compute import ComputeExecutor
+from meshd.daemon import Daemon
+from meshd.settings import Settings, default_socket, load_settings
+from meshd.shard.artifact import open_artifact
+from meshd.shard.recipe import get_recipe
+
+
+def test_flags_beat_environment_beat_file(tmp_path):
+    cfg = tmp_path / "meshd.toml"
+    cfg.write_text('model = "file-model"\nnum_layers = 7\nlayers = "auto"\nbootstrap = ["/ip4/1.2.3.4/tcp/1/p2p/x"]\n')
+    env = {"MESHD_NUM_LAYERS": "9", "MESHD_LISTEN": "/ip4/127.0.0.1/tcp/5,/ip4/127.0.0.1/tcp/6"}
+    s = load_settings({"num_layers": None, "layers": "3:5", "listen": None}, str(cfg), environ=env)
+    assert s.model == "file-model" and s.num_layers == 9 and s.layers == "3:5"
+    assert s.listen == ["/ip4/127.0.0.1/tcp/5", "/ip4/127.0.0.1/tcp/6"]
+    assert s.bootstrap == ["/ip4/1.2.3.4/tcp/1/p2p/x"]
+    s = load_settings({"num_layers": 4}, str(cfg), environ=env)
+    assert s.num_layers == 4
+
+
+def test_unknown_setting_and_bad_ranges_are_refused(tmp_path):
+    cfg = tmp_path / "meshd.toml"
+    cfg.write_text("layrs = '0:3'\n")
+    with pytest.raises(ValueError, match="unknown settings"):
+        load_settings({}, str(cfg), environ={})
+    for bad in ("5", "3:2", "0:31", "a:b"):
+        with pytest.raises(ValueError):
+            Settings(layers=bad).parse_layers(30)
+    assert Settings(layers="auto").parse_layers(30) is None and Settings(layers="0:30").parse_layers(30) == (0, 30)
+
+
+def test_socket_defaults_follow_systemd_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/meshd")
+    assert str(default_socket(tmp_path)) == "/run/meshd/meshd.sock"
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert str(default_socket(tmp_path)) == "/run/user/1000/meshd/meshd.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_socket(tmp_path) == tmp_path / "meshd.sock"
+
+
+def test_memory_budget_bounds_the_auto_range():
+    d = Daemon(Settings(), ComputeExecutor())
+    d.artifact, d.recipe = open_artifact("smollm2"), get_recipe("exact")
+    params = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576  # q, o, k, v, gate/up/down, norms
+    assert d._layer_bytes() == params * 4  # float32 in the exact recipe
+    d.recipe = get_recipe("compact")
+    assert d._layer_bytes() == params  # int8
