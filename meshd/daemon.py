@@ -134,10 +134,7 @@ class Daemon:
             for _ in range(3):
                 await self.mesh.refresh()
                 await trio.sleep(0.5)
-        want = self.settings.num_layers or cfg.n_layers
-        if self.settings.memory:
-            per_layer = self._layer_bytes()
-            want = min(want, max(1, self.settings.memory // per_layer))
+        want = self.settings.layers_wanted(cfg.n_layers, self._layer_bytes())
         coverage = self.mesh.coverage.without(self.mesh.peer_id)
         start, end = choose_range(coverage, want)
         log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())

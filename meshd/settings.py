@@ -65,6 +65,14 @@ class Settings:
             raise ValueError(f"--layers {a}:{b} is not within the model's {n_layers} layers")
         return a, b
 
+    def layers_wanted(self, n_layers: int, bytes_per_layer: int) -> int:
+        """How many layers `--layers auto` should take: --num-layers (default all), capped by
+        --memory (at least one layer, so a node always serves something)."""
+        want = min(self.num_layers or n_layers, n_layers)
+        if self.memory:
+            want = min(want, max(1, self.memory // bytes_per_layer))
+        return want
+
 
 def load_settings(flags: dict, config_file: str | None = None, environ=os.environ) -> Settings:
     """Merge defaults < TOML file < environment < flags (flags given as None are unset)."""

@@ -49,3 +49,9 @@ def test_memory_budget_bounds_the_auto_range():
     assert d._layer_bytes() == params * 4  # float32 in the exact recipe
     d.recipe = get_recipe("compact")
     assert d._layer_bytes() == params  # int8
+    per = params * 4
+    assert Settings().layers_wanted(30, per) == 30
+    assert Settings(num_layers=10).layers_wanted(30, per) == 10
+    assert Settings(num_layers=10, memory=7 * per + 1).layers_wanted(30, per) == 7
+    assert Settings(memory=1).layers_wanted(30, per) == 1
+    assert Settings(num_layers=99).layers_wanted(30, per) == 30
