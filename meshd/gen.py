@@ -31,7 +31,9 @@ from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Messa
 SHARD_PROTOCOL = TProtocol("/meshd/shard/1.0.0")
 GEN_PROTOCOL = TProtocol("/meshd/gen/1.0.0")
 OPEN_TIMEOUT = 30.0
-STEP_TIMEOUT = 60.0
+STEP_TIMEOUT = 60.0  # prefill, and decode before any step was timed
+DECODE_TIMEOUT_MIN = 5.0  # a decode step is given max(this, DECODE_TIMEOUT_FACTOR x the usual step)
+DECODE_TIMEOUT_FACTOR = 20.0
 MAX_ATTEMPTS = 3
 log = get_logger(__name__)
 
@@ -56,6 +58,13 @@ class Progress:
     reroutes: int = 0
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
+    step_s: float | None = None  # moving average of a decode step's wait, for its deadline
+
+    def decode_deadline(self) -> float:
+        """A silently dead hop is noticed within this many seconds (TCP alone takes 30 s and more)."""
+        if self.step_s is None:
+            return STEP_TIMEOUT
+        return max(DECODE_TIMEOUT_MIN, DECODE_TIMEOUT_FACTOR * self.step_s)
 
 
 Emit = Callable[[StreamEvent], Awaitable[None]]
@@ -102,8 +111,7 @@ class Entry:
                 if not exc.retriable or attempt == MAX_ATTEMPTS - 1:
                     raise GenerationError(ErrorCode.HOP_FAILED, str(exc)) from None
                 exclude.add(exc.peer_id)
-                progress.reroutes += 1
-                await d.mesh.refresh()
+                progress.reroutes += 1  # replan at once from the records at hand, without that peer
         end = time.perf_counter()
         n = len(progress.tokens)
         first = progress.first_token_at or end
@@ -133,8 +141,9 @@ class Entry:
                 await self._open_local(sid, epoch, req, ids, max_tokens)
                 for hop in route.hops:
                     hops.append((hop.peer_id, await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens)))
+                self.pending = {peer: 0 for peer, _ in hops}  # frames sent to a hop, not yet answered
                 for i, (peer, channel) in enumerate(hops):
-                    nxt = hops[i + 1][1] if i + 1 < len(hops) else None
+                    nxt = hops[i + 1] if i + 1 < len(hops) else None
                     nursery.start_soon(self._pump, peer, channel, nxt, tokens_send)
                 history = ids + progress.tokens  # a replay after rerouting feeds back what was generated
                 self.progress = progress
@@ -197,7 +206,8 @@ class Entry:
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
         return channel
 
-    async def _pump(self, peer: str, channel: Channel, nxt: Channel | None, tokens: trio.MemorySendChannel) -> None:
+    async def _pump(self, peer: str, channel: Channel, nxt: tuple[str, Channel] | None,
+                    tokens: trio.MemorySendChannel) -> None:
         """Move one hop's outputs on: hidden states to the next hop, tokens to the entry."""
         while True:
             try:
@@ -206,13 +216,19 @@ class Entry:
                 raise HopFailed(peer, str(exc) or type(exc).__name__) from None
             if isinstance(msg, Error):
                 raise HopFailed(peer, f"{msg.code}: {msg.message}", retriable=True)
+            if isinstance(msg, (Token, Forward)):
+                self.pending[peer] -= 1
             if isinstance(msg, Token):
                 await tokens.send(msg)
             elif isinstance(msg, Forward) and nxt is not None:
-                try:
-                    await nxt.send(msg)
-                except ChannelClosed as exc:
-                    raise HopFailed(peer, f"next hop closed: {exc}") from None
+                await self._send(nxt[0], nxt[1], msg)
+
+    async def _send(self, peer: str, channel: Channel, msg: Message) -> None:
+        try:
+            await channel.send(msg)
+        except ChannelClosed as exc:
+            raise HopFailed(peer, f"stream closed: {exc}") from None
+        self.pending[peer] += 1
 
     async def _local(self, frame: Forward) -> Message | None:
         t0 = time.perf_counter()
@@ -227,14 +243,17 @@ class Entry:
         if isinstance(out, Token):
             return out.token_id
         if out is not None:
-            peer, first = hops[0]
-            try:
-                await first.send(out)
-            except ChannelClosed as exc:
-                raise HopFailed(peer, str(exc)) from None
+            await self._send(*hops[0], out)
         if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
             return None
-        return await self._next_token(tokens_recv, hops)
+        timeout = STEP_TIMEOUT if phase == Phase.PREFILL else self.progress.decode_deadline()
+        t0 = time.perf_counter()
+        token = await self._next_token(tokens_recv, hops, timeout)
+        if phase == Phase.DECODE:
+            took = time.perf_counter() - t0
+            p = self.progress
+            p.step_s = took if p.step_s is None else 0.8 * p.step_s + 0.2 * took
+        return token
 
     async def _prefill(self, sid, epoch, ids, hops, tokens_recv) -> int:
         spans = chunk_spans(len(ids))
@@ -244,11 +263,13 @@ class Entry:
         assert token is not None
         return token
 
-    async def _next_token(self, tokens_recv, hops) -> int:
+    async def _next_token(self, tokens_recv, hops, timeout: float) -> int:
         t0 = time.perf_counter()
-        with trio.move_on_after(STEP_TIMEOUT) as scope:
+        with trio.move_on_after(timeout) as scope:
             msg = await tokens_recv.receive()
         self.progress.wait_s += time.perf_counter() - t0
         if scope.cancelled_caught:
-            raise HopFailed(hops[-1][0], f"no token within {STEP_TIMEOUT:.0f} s")
+            # blame the first hop that holds a frame it has not answered: the stall is there
+            stalled = next((peer for peer, _ in hops if self.pending.get(peer, 0) > 0), hops[-1][0])
+            raise HopFailed(stalled, f"no answer within {timeout:.1f} s")
         return msg.token_id

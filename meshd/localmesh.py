@@ -28,7 +28,7 @@ class DaemonProc:
                "--state-dir", str(self.dir / "state"), "--socket", str(self.socket), *args]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "MESHD_RECORD_TTL": "6", **(env or {})})
+                                     env={**os.environ, "MESHD_RECORD_TTL": "8", **(env or {})})
 
     def status(self, timeout: float = 10.0) -> dict | None:
         out = ctl(self.socket, ["status", "--json"], timeout=timeout)

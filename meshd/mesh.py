@@ -1,7 +1,9 @@
 """The daemon's view of the mesh: its own signed record, publishing, and the coverage map.
 
 Rules: the record is republished well before it expires (a third of its TTL), so a daemon that
-dies shows as a gap within one TTL plus one refresh; reads that must be fresh drop the local copy
+dies shows as a gap within one TTL plus one refresh round (interval + round timeout); a connected
+peer is asked for its own record directly, and a round never waits on a frozen peer past its
+timeout; reads that must be fresh drop the local copy
 first (py-libp2p's get_value answers from its local store and caches every read).
 """
 
@@ -17,8 +19,10 @@ from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
 from meshd.log import get_logger
 
-COVERAGE_INTERVAL = 2.0
-LOOKUP_TIMEOUT = 3.0
+COVERAGE_INTERVAL = 1.0
+LOOKUP_TIMEOUT = 3.0  # a lookup through the DHT
+DIRECT_TIMEOUT = 1.5  # asking a connected peer for its own record
+ROUND_TIMEOUT = 3.5  # one refresh round; stragglers are cancelled and asked again next round
 log = get_logger(__name__)
 
 
@@ -65,43 +69,59 @@ class MeshView:
             await self.publish()
 
     async def fetch(self, peer_id: str) -> CoverageRecord | None:
+        """A fresh, verified record of peer_id: asked of the peer itself first (it always holds its
+        newest record, and a lookup through the DHT can stall on an unrelated dead peer), then
+        through the DHT; None if neither answers in time."""
         key = record_key(peer_id)
-        self.dht.value_store.remove(key.encode())
-        with trio.move_on_after(LOOKUP_TIMEOUT):
-            try:
-                value = await self.dht.get_value(key)
-            except Exception:
-                return None
-            if value is None:
-                return None
-            try:
-                return open_record(value, key=key)
-            except RecordError:
-                return None
-        return None
+        pid = ID.from_base58(peer_id)
+        value = None
+        if pid in self.host.get_connected_peers():
+            with trio.move_on_after(DIRECT_TIMEOUT):
+                try:
+                    value = await self.dht.value_store._get_from_peer(pid, key.encode())
+                except Exception:
+                    value = None
+        else:
+            self.dht.value_store.remove(key.encode())
+            with trio.move_on_after(LOOKUP_TIMEOUT):
+                try:
+                    value = await self.dht.get_value(key)
+                except Exception:
+                    value = None
+        if not isinstance(value, bytes):
+            return None
+        try:
+            return open_record(value, key=key)
+        except RecordError:
+            return None
 
     async def refresh(self) -> CoverageMap:
-        """Rebuild the coverage map from fresh records of every peer we know of."""
+        """Rebuild the coverage map from fresh records of every peer we know of.
+
+        Each record is taken in as soon as it arrives, so one slow or frozen peer (whose lookup
+        runs to its timeout) does not let everyone else's records age out meanwhile.
+        """
         candidates = {p.to_base58() for p in self.dht.routing_table.get_peer_ids()}
         candidates |= {p.to_base58() for p in self.host.get_connected_peers()}
         candidates |= set(self.known)
         candidates.discard(self.peer_id)
-        found: dict[str, CoverageRecord] = {}
 
         async def one(pid: str) -> None:
             rec = await self.fetch(pid)
             if rec is not None and rec.model == self.record.model:
-                found[pid] = rec
+                old = self.known.get(pid)
+                if old is None or rec.seq >= old.seq:
+                    self.known[pid] = rec
+                    self._rebuild()
 
-        async with trio.open_nursery() as nursery:
-            for pid in candidates:
-                nursery.start_soon(one, pid)
+        with trio.move_on_after(ROUND_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for pid in candidates:
+                    nursery.start_soon(one, pid)
         now = time.time()
-        # keep remembering peers whose records we saw recently, so a lookup miss is not a gap at once
-        for pid, rec in list(self.known.items()):
-            if pid not in found and rec.expired(now):
+        for pid, rec in list(self.known.items()):  # forget peers whose records lapsed
+            if rec.expired(now):
                 del self.known[pid]
-        self.known.update(found)
         self._rebuild(now)
         self.updated.set()
         self.updated = trio.Event()

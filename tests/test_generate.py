@@ -159,3 +159,30 @@ def test_a_hop_killed_mid_generation_is_routed_around(expected):
         assert survivor.status()["peer_id"] in [hop[0] for hop in stats["route"]]
     finally:
         m.close()
+
+
+def test_a_frozen_hop_is_noticed_quickly_and_routed_around():
+    """SIGSTOP leaves the hop's connection open but silent: the entry's step deadline catches it."""
+    m = Mesh()
+    try:
+        a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)])
+        args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens", "60",
+                "--ignore-eos", "--stats", PROMPTS[0]]
+        solo = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert solo.returncode == 0, solo.stderr
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.read(1)
+        frozen = next(d for d in (b1, b2) if d.status()["sessions"] == 1)
+        frozen.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            rest = proc.stdout.read()
+            err = proc.stderr.read()
+            assert proc.wait(60) == 0, err
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+        assert time.monotonic() - t0 < 40  # the deadline is max(5 s, 20 x a step), not TCP's minutes
+        stats = json.loads(err.strip().splitlines()[-1])
+        assert stats["reroutes"] >= 1 and solo.stdout[0] + rest == solo.stdout
+    finally:
+        m.close()
