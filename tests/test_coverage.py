@@ -89,7 +89,7 @@ def test_choose_range_fills_the_largest_gap_first():
     assert choose_range(CoverageMap.build(30, []), 10) == (0, 10)
     assert choose_range(CoverageMap.build(30, [record("a", 0, 12)]), 10) == (12, 22)
     cov = CoverageMap.build(30, [record("a", 0, 12), record("b", 12, 22)])
-    assert choose_range(cov, 10) == (20, 30)  # the gap [22, 30) is short: cover it, overlap least
+    assert choose_range(cov, 10) == (22, 30)  # the gap [22, 30) is short: take exactly it
     full = CoverageMap.build(30, [record("a", 0, 12), record("b", 12, 22), record("c", 20, 30)])
     assert choose_range(full, 10) == (0, 10)  # redundancy to the least-served window, earliest
     assert choose_range(full, 100) == (0, 30)
@@ -103,9 +103,13 @@ def test_auto_choice_never_leaves_a_fillable_gap_unfilled(spans, want):
     recs = [record(f"p{i}", min(a, b - 1), max(a + 1, b)) for i, (a, b) in enumerate(spans)]
     cov = CoverageMap.build(30, recs)
     a, b = choose_range(cov, want)
-    assert 0 <= a < b <= 30 and b - a == min(want, 30)
-    if cov.gaps():
-        assert any(a < g1 and g0 < b for g0, g1 in cov.gaps())
+    assert 0 <= a < b <= 30 and b - a <= want
+    if cov.gaps():  # inside the largest gap, overlapping nobody
+        assert any(g0 <= a and b <= g1 for g0, g1 in cov.gaps())
+        assert all(c == 0 for c in cov.counts()[a:b])
+        assert b - a == min(want, max(g1 - g0 for g0, g1 in cov.gaps()))
+    else:
+        assert b - a == min(want, 30)
 
 
 def test_route_prefers_fast_short_chains_and_enters_mid_range():

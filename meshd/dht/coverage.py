@@ -61,23 +61,19 @@ class CoverageMap:
 
 
 def choose_range(coverage: CoverageMap, want: int) -> tuple[int, int]:
-    """The contiguous range of `want` layers a new node should serve (coverage first).
+    """The contiguous range of at most `want` layers a new node should serve (coverage first).
 
-    With gaps: inside the largest gap (ties: the earliest), starting at its start; a gap shorter
-    than `want` gets the window of `want` layers that covers it and as few served layers as
-    possible. Without gaps: the window whose least-served layer count is smallest (redundancy to
-    the least-served layers), ties to the earliest start.
+    With gaps: the largest gap (ties: the earliest), from its start, as much of it as `want`
+    allows; a gap shorter than `want` is taken exactly, so no layer is served twice while any
+    layer is served by nobody. Without gaps: the window of `want` layers whose servers are fewest
+    (redundancy to the least-served layers), ties to the earliest start.
     """
     n = coverage.n_layers
     want = max(1, min(want, n))
-    counts = coverage.counts()
     gaps = coverage.gaps()
     if gaps:
         g0, g1 = max(gaps, key=lambda g: (g[1] - g[0], -g[0]))
-        if g1 - g0 >= want:
-            return g0, g0 + want
-        starts = range(max(0, g1 - want), min(g0, n - want) + 1)
-        best = min(starts, key=lambda s: (sum(counts[s:s + want]), s))
-        return best, best + want
+        return g0, min(g1, g0 + want)
+    counts = coverage.counts()
     best = min(range(n - want + 1), key=lambda s: (sum(counts[s:s + want]), max(counts[s:s + want]), s))
     return best, best + want
