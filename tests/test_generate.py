@@ -135,54 +135,50 @@ def test_bad_input_on_a_shard_stream_gets_a_clear_error_and_hurts_nothing(mesh3,
     assert out.returncode == 0 and out.stdout == expected[PROMPTS[2]] + "\n"
 
 
-def test_a_hop_killed_mid_generation_is_routed_around(expected):
-    """Two daemons serve 10:20; the one in use is killed mid-stream; the text comes out whole."""
+def disrupted_run(disrupt, prompt: str, tokens: int):
+    """Generate on a mesh where two daemons serve 10:20, disrupting the one in use mid-stream.
+
+    Returns the undisturbed text, the disturbed text, meshctl's exit code, stderr, the seconds from
+    the disruption to the end, and the peer ids of the victim and the survivor."""
     m = Mesh()
     try:
         a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)])
-        args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens", "120",
-                "--ignore-eos", "--stats", PROMPTS[1]]
+        args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens",
+                str(tokens), "--ignore-eos", "--stats", prompt]
         solo = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert solo.returncode == 0, solo.stderr
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout.read(1)
+        first = proc.stdout.read(1)
         in_use = [d for d in (b1, b2) if d.status()["sessions"] == 1]
         assert len(in_use) == 1
-        in_use[0].kill()
-        rest = proc.stdout.read()  # not communicate(): it would skip what the text wrapper buffered
-        err = proc.stderr.read()
-        assert proc.wait(60) == 0, err
-        stats = json.loads(err.strip().splitlines()[-1])
-        assert stats["reroutes"] >= 1 and stats["tokens"] == 120
-        assert solo.stdout[0] + rest == solo.stdout
-        survivor = b2 if in_use[0] is b1 else b1
-        assert survivor.status()["peer_id"] in [hop[0] for hop in stats["route"]]
+        victim, survivor = in_use[0], (b2 if in_use[0] is b1 else b1)
+        ids = victim.status()["peer_id"], survivor.status()["peer_id"]
+        disrupt(victim.proc)
+        t0 = time.monotonic()
+        try:
+            rest = proc.stdout.read()  # not communicate(): it would skip what the text wrapper buffered
+            err = proc.stderr.read()
+            code = proc.wait(60)
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        return solo.stdout, first + rest, code, err, time.monotonic() - t0, ids
     finally:
         m.close()
+
+
+def test_a_hop_killed_mid_generation_is_routed_around():
+    solo, text, code, err, _, (victim, survivor) = disrupted_run(lambda p: p.kill(), PROMPTS[1], 120)
+    assert code == 0, err
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["reroutes"] >= 1 and stats["tokens"] == 120 and text == solo
+    hops = [hop[0] for hop in stats["route"]]
+    assert survivor in hops and victim not in hops
 
 
 def test_a_frozen_hop_is_noticed_quickly_and_routed_around():
     """SIGSTOP leaves the hop's connection open but silent: the entry's step deadline catches it."""
-    m = Mesh()
-    try:
-        a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)])
-        args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens", "60",
-                "--ignore-eos", "--stats", PROMPTS[0]]
-        solo = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert solo.returncode == 0, solo.stderr
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout.read(1)
-        frozen = next(d for d in (b1, b2) if d.status()["sessions"] == 1)
-        frozen.proc.send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        try:
-            rest = proc.stdout.read()
-            err = proc.stderr.read()
-            assert proc.wait(60) == 0, err
-        finally:
-            frozen.proc.send_signal(signal.SIGCONT)
-        assert time.monotonic() - t0 < 40  # the deadline is max(5 s, 20 x a step), not TCP's minutes
-        stats = json.loads(err.strip().splitlines()[-1])
-        assert stats["reroutes"] >= 1 and solo.stdout[0] + rest == solo.stdout
-    finally:
-        m.close()
+    solo, text, code, err, took, _ = disrupted_run(lambda p: p.send_signal(signal.SIGSTOP), PROMPTS[0], 60)
+    assert code == 0, err
+    assert took < 40  # the deadline is max(5 s, 20 x a step), not TCP's minutes
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["reroutes"] >= 1 and text == solo
