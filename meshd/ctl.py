@@ -87,8 +87,9 @@ def render_status(st: dict) -> str:
     lines.append(f"peers     {len(st['peers'])}")
     for p in st["peers"]:
         state = "serving" if p["serving"] else "loading"
+        rtt = f"{p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None else "? ms"
         lines.append(f"  {p['peer_id']}  layers {p['range'][0]:>3}:{p['range'][1]:<3} {state:8}"
-                     f" {p['throughput']:>8.1f} layer/s  expires in {p['expires_in_s']:.0f}s")
+                     f" {p['throughput']:>8.1f} layer/s  rtt {rtt:>8}  expires in {p['expires_in_s']:.0f}s")
     gaps = st.get("gaps") or []
     verdict = "complete" if st.get("complete") else "INCOMPLETE, uncovered: " + ", ".join(f"[{a}, {b})" for a, b in gaps)
     lines.append(f"coverage  {verdict}")

@@ -222,6 +222,8 @@ class Daemon:
             "compute_busy_s": round(self.compute.busy_s, 3),
             "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
                        "addrs": list(r.addrs), "throughput": round(r.throughput, 1),
+                       "rtt_ms": round(self.mesh.latency[r.peer_id] * 1000, 2) if r.peer_id in self.mesh.latency
+                       else None,
                        "expires_in_s": round(r.expires_at - time.time(), 1)}
                       for r in (cov.records if cov else ()) if r.peer_id != (rec.peer_id if rec else None)],
             "coverage": serving.counts() if serving else [],

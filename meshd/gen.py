@@ -124,7 +124,8 @@ class Entry:
         d = self.daemon
         coverage = d.mesh.coverage.serving()
         try:
-            return plan_route(coverage, d.shard.end, exclude=exclude | {d.mesh.peer_id})
+            return plan_route(coverage, d.shard.end, latency=dict(d.mesh.latency),
+                              exclude=exclude | {d.mesh.peer_id})
         except NoRoute as exc:
             raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
 

@@ -31,6 +31,7 @@ class MeshView:
         self.host, self.dht, self.key_pair = host, dht, key_pair
         self.record, self.ttl_s = record, ttl_s
         self.known: dict[str, CoverageRecord] = {}
+        self.latency: dict[str, float] = {}  # moving average of a record round trip per peer, seconds
         self.coverage = CoverageMap.build(record.n_layers, [record])
         self.updated = trio.Event()
 
@@ -78,7 +79,9 @@ class MeshView:
         if pid in self.host.get_connected_peers():
             with trio.move_on_after(DIRECT_TIMEOUT):
                 try:
+                    t0 = time.perf_counter()
                     value = await self.dht.value_store._get_from_peer(pid, key.encode())
+                    self._observe_rtt(peer_id, time.perf_counter() - t0)
                 except Exception:
                     value = None
         else:
@@ -122,10 +125,16 @@ class MeshView:
         for pid, rec in list(self.known.items()):  # forget peers whose records lapsed
             if rec.expired(now):
                 del self.known[pid]
+                self.latency.pop(pid, None)
         self._rebuild(now)
         self.updated.set()
         self.updated = trio.Event()
         return self.coverage
+
+    def _observe_rtt(self, peer_id: str, seconds: float) -> None:
+        """Fold one measured round trip into the peer's link latency (used by route planning)."""
+        old = self.latency.get(peer_id)
+        self.latency[peer_id] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def _rebuild(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
