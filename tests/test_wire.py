@@ -91,7 +91,7 @@ def tensors(draw):
     return w.Tensor(draw(st.text(max_size=8)), shape, dtype, data)
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(tensors(), max_size=4), st.sampled_from(["raw", "zstd", "auto"]), st.data())
 def test_hypothesis_round_trip_any_split(ts, encoding, data):
     msgs = [forward(*ts), w.Heartbeat(seq=1), forward(*ts[:1], phase=w.Phase.DECODE)]
