@@ -89,15 +89,14 @@ class Daemon:
                     start, end = await self._choose_auto(cfg)
                 self.mesh.record = replace(self.mesh.record, start=start, end=end)
                 await self.mesh.publish()
-                nursery.start_soon(self.mesh.publish_loop)
+                nursery.start_soon(self.mesh.publish_loop, self._live_fields)
                 nursery.start_soon(self.mesh.coverage_loop)
                 self.state = "loading"
                 await self._load(start, end)
                 nursery.start_soon(self._evict_loop)
                 host.set_stream_handler(SHARD_PROTOCOL, self.service.serve_stream)
                 host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
-                await self.mesh.publish(serving=True, throughput=self.throughput,
-                                        free_sessions=max(0, self.settings.kv_budget // self._session_bytes()))
+                await self.mesh.publish(serving=True, **self._live_fields())
                 self.state = "serving"
                 log.info("serving", layers=f"{start}:{end}", load_s=round(self.shard.load_seconds, 2),
                          throughput=round(self.throughput, 1))
@@ -147,6 +146,18 @@ class Daemon:
         names = FAMILIES[self.artifact.config.family].tensor_names(self.artifact.kind, self.artifact.config, 0)
         params = sum(self.artifact.tensor_elements(n) for n in names)
         return params * (4 if self.recipe.weight_dtype == "float32" else 1)
+
+    def _live_fields(self) -> dict:
+        """Record fields that change while serving: throughput (measured on real decode steps once
+        there are some), free session capacity and load (share of the KV budget in use)."""
+        if self.service is None:
+            return {}
+        if self.service.decode_layer_rate:
+            self.throughput = self.service.decode_layer_rate
+        kv = self.shard.kv
+        free = max(0, (kv.budget_bytes - kv.used_bytes) // self._session_bytes())
+        return {"throughput": self.throughput, "free_sessions": int(free),
+                "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0}
 
     def _session_bytes(self) -> int:
         return max(1, self.shard.kv.bytes_for(2048))

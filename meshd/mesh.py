@@ -64,10 +64,11 @@ class MeshView:
             except Exception as exc:
                 log.warning("withdrawing record failed", error=str(exc))
 
-    async def publish_loop(self) -> None:
+    async def publish_loop(self, live_fields=None) -> None:
+        """Republish every third of the TTL; `live_fields()` supplies fresh throughput, load, capacity."""
         while True:
             await trio.sleep(self.ttl_s / 3)
-            await self.publish()
+            await self.publish(**(live_fields() if live_fields else {}))
 
     async def fetch(self, peer_id: str) -> CoverageRecord | None:
         """A fresh, verified record of peer_id: asked of the peer itself first (it always holds its

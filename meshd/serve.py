@@ -16,7 +16,7 @@ from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.endpoint import ShardEndpoint
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Heartbeat, Hello, Message, OpenSession,
-                        UnsupportedVersion, WireError)
+                        Phase, UnsupportedVersion, WireError)
 
 IDLE_TIMEOUT = 300.0
 log = get_logger(__name__)
@@ -29,6 +29,7 @@ class ShardService:
         self.active_streams = 0
         self.compute_s = 0.0  # time spent in tensor work, for status and benchmarks
         self.steps = 0
+        self.decode_layer_rate: float | None = None  # moving average of layer-steps/s on real decode steps
 
     async def handle(self, msg: Message) -> list[Message]:
         """Answer one message on the compute thread (in arrival order)."""
@@ -38,8 +39,13 @@ class ShardService:
         try:
             return await self.compute.run(self.endpoint.handle, msg)
         finally:
-            self.compute_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.compute_s += took
             self.steps += 1
+            if getattr(msg, "phase", None) == Phase.DECODE and took > 0:
+                rate = (self.endpoint.shard.end - self.endpoint.shard.start) / took
+                old = self.decode_layer_rate
+                self.decode_layer_rate = rate if old is None else 0.9 * old + 0.1 * rate
 
     async def release(self, key: tuple[bytes, int]) -> None:
         """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
