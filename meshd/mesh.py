@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import multiaddr
 import trio
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
@@ -77,6 +79,8 @@ class MeshView:
         key = record_key(peer_id)
         pid = ID.from_base58(peer_id)
         value = None
+        if pid not in self.host.get_connected_peers():
+            await self._reconnect(pid, key)
         if pid in self.host.get_connected_peers():
             with trio.move_on_after(DIRECT_TIMEOUT):
                 try:
@@ -108,6 +112,11 @@ class MeshView:
         candidates = {p.to_base58() for p in self.dht.routing_table.get_peer_ids()}
         candidates |= {p.to_base58() for p in self.host.get_connected_peers()}
         candidates |= set(self.known)
+        prefix = record_key("").encode()
+        try:  # records other peers stored at this node: a discovery path that needs no connection
+            candidates |= {k[len(prefix):].decode() for k in self.dht.value_store.get_keys() if k.startswith(prefix)}
+        except Exception:
+            pass
         candidates.discard(self.peer_id)
 
         async def one(pid: str) -> None:
@@ -131,6 +140,33 @@ class MeshView:
         self.updated.set()
         self.updated = trio.Event()
         return self.coverage
+
+    async def _reconnect(self, pid: ID, key: str) -> None:
+        """Dial a peer we hold a record of (ours, or one stored at us), so it can be asked directly.
+
+        A transient dial failure must not hide a peer: py-libp2p keeps a negative cache of peers
+        whose addresses all failed once, so it is cleared before this deliberate retry.
+        """
+        stored = self.dht.value_store.get(key.encode())
+        addrs = None
+        if stored is not None:
+            try:
+                addrs = open_record(stored.value, key=key, allow_expired=True).addrs
+            except RecordError:
+                addrs = None
+        if addrs is None and pid.to_base58() in self.known:
+            addrs = self.known[pid.to_base58()].addrs
+        if not addrs:
+            return
+        try:
+            self.host.get_network().unblock_peer(pid)
+        except Exception:
+            pass
+        with trio.move_on_after(DIRECT_TIMEOUT):
+            try:
+                await self.host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
+            except Exception:
+                pass
 
     def _observe_rtt(self, peer_id: str, seconds: float) -> None:
         """Fold one measured round trip into the peer's link latency (used by route planning)."""

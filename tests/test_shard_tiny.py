@@ -137,3 +137,29 @@ def test_bad_range_and_bad_inputs(llama):
         mid.forward("k", torch.zeros(1, 2, 5), 0)
     with pytest.raises(ValueError, match="skips ahead"):
         head.forward("k", torch.tensor([[3]]), 5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_llama_family_relatives_match_transformers(tmp_path, arch):
+    """Qwen2 (q/k/v biases) and Mistral share the Llama adapter: certified by the same parity test."""
+    import transformers
+
+    torch.manual_seed(11)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  initializer_range=0.15, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+        with torch.no_grad():  # biases start at zero: make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    artifact = open_artifact(tmp_path / "hf")
+    assert artifact.config.family == "llama" and artifact.config.attn_bias == (arch == "qwen2")
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 32)
+    tokens, logits = split_run(three_way(artifact), PROMPT, 32)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
