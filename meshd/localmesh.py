@@ -93,12 +93,14 @@ class Mesh:
         self.daemons.append(d)
         return d
 
-    def start_chain(self, ranges: list[tuple[int, int]], extra: list[str] | None = None) -> list[DaemonProc]:
+    def start_chain(self, ranges: list[tuple[int, int]], extra: list[str] | None = None,
+                    env: dict | None = None) -> list[DaemonProc]:
         """Daemons serving the given ranges, the first as bootstrap; returns once all serve and every
         one of them sees every other serving."""
         boot, started = None, []
         for i, (a, b) in enumerate(ranges):
-            d = self.start(f"d{i}", ["--layers", f"{a}:{b}", *(["--bootstrap", boot] if boot else []), *(extra or [])])
+            d = self.start(f"d{i}", ["--layers", f"{a}:{b}", *(["--bootstrap", boot] if boot else []), *(extra or [])],
+                           env)
             started.append(d)
             if boot is None:
                 boot = d.wait_serving()["addrs"][0]

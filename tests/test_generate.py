@@ -142,7 +142,8 @@ def disrupted_run(disrupt, prompt: str, tokens: int):
     the disruption to the end, and the peer ids of the victim and the survivor."""
     m = Mesh()
     try:
-        a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)])
+        # records outlive the disruption here: these tests are about the entry's reaction, not expiry
+        a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)], env={"MESHD_RECORD_TTL": "30"})
         args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens",
                 str(tokens), "--ignore-eos", "--stats", prompt]
         solo = subprocess.run(args, capture_output=True, text=True, timeout=300)
