@@ -54,6 +54,7 @@ class Daemon:
         self.entry: Entry | None = None
         self.host = self.mesh = None
         self.active_generations = 0
+        self.throughput = 0.0  # layer-steps per second, measured once loaded
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.stop_requested = trio.Event()
@@ -150,7 +151,7 @@ class Daemon:
     def _live_fields(self) -> dict:
         """Record fields that change while serving: throughput (measured on real decode steps once
         there are some), free session capacity and load (share of the KV budget in use)."""
-        if self.service is None:
+        if self.service is None or self.shard is None:
             return {}
         if self.service.decode_layer_rate:
             self.throughput = self.service.decode_layer_rate

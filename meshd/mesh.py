@@ -70,7 +70,12 @@ class MeshView:
         """Republish every third of the TTL; `live_fields()` supplies fresh throughput, load, capacity."""
         while True:
             await trio.sleep(self.ttl_s / 3)
-            await self.publish(**(live_fields() if live_fields else {}))
+            try:
+                changes = live_fields() if live_fields else {}
+            except Exception:  # a bad number must not stop the record from being refreshed
+                log.exception("reading live record fields failed")
+                changes = {}
+            await self.publish(**changes)
 
     async def fetch(self, peer_id: str) -> CoverageRecord | None:
         """A fresh, verified record of peer_id: asked of the peer itself first (it always holds its
