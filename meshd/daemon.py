@@ -1,7 +1,8 @@
 """The meshd daemon: join the mesh, load a layer range, serve it, answer the local socket.
 
-Rules: one trio program; every background loop lives in the daemon's nursery; model loading runs
-in a worker thread so the host keeps answering while weights load; SIGTERM and SIGINT withdraw the
+Rules: trio runs on a second thread with every background loop in the daemon's nursery; tensor
+work (loading included) runs on the main thread through `ComputeExecutor`, so the host keeps
+answering while weights load; SIGTERM and SIGINT withdraw the
 record, close sessions and remove the socket before the process exits.
 """
 
@@ -55,6 +56,7 @@ class Daemon:
         self.host = self.mesh = None
         self.active_generations = 0
         self.throughput = 0.0  # layer-steps per second, measured once loaded
+        self.artifact = self.recipe = None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.stop_requested = trio.Event()
@@ -219,16 +221,16 @@ class Daemon:
             "peer_id": rec.peer_id if rec else None,
             "addrs": list(full_addrs(self.host)) if self.host else [],
             "state": self.state,
-            "model": self.artifact.name if hasattr(self, "artifact") else None,
-            "model_fingerprint": self.artifact.fingerprint if hasattr(self, "artifact") else None,
-            "recipe": self.recipe.name if hasattr(self, "recipe") else None,
+            "model": self.artifact.name if self.artifact else None,
+            "model_fingerprint": self.artifact.fingerprint if self.artifact else None,
+            "recipe": self.recipe.name if self.recipe else None,
             "range": [rec.start, rec.end] if rec and self.state != "choosing layers" else None,
             "n_layers": rec.n_layers if rec else None,
             "sessions": len(self.shard.kv) if self.shard else 0,
             "kv_bytes": self.shard.kv.used_bytes if self.shard else 0,
             "generations": self.active_generations,
             "uptime_s": round(time.time() - self.started_at, 1),
-            "throughput": round(getattr(self, "throughput", 0.0), 1),
+            "throughput": round(self.throughput, 1),
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "compute_busy_s": round(self.compute.busy_s, 3),

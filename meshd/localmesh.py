@@ -28,7 +28,7 @@ class DaemonProc:
                "--state-dir", str(self.dir / "state"), "--socket", str(self.socket), *args]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "MESHD_RECORD_TTL": "8", **(env or {})})
+                                     env={**os.environ, **(env or {})})
 
     def status(self, timeout: float = 10.0) -> dict | None:
         out = ctl(self.socket, ["status", "--json"], timeout=timeout)
@@ -84,12 +84,14 @@ def ctl(socket: Path, args: list[str], timeout: float = 120.0) -> subprocess.Com
 class Mesh:
     """A set of daemons under one short temporary directory (Unix socket paths must stay short)."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict | None = None) -> None:
+        """`env` goes to every daemon; the default shortens record lifetimes for tests (8 s)."""
         self.root = Path(tempfile.mkdtemp(prefix="meshd-", dir="/tmp"))
         self.daemons: list[DaemonProc] = []
+        self.env = {"MESHD_RECORD_TTL": "8"} if env is None else env
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> DaemonProc:
-        d = DaemonProc(self.root, name, args, env)
+        d = DaemonProc(self.root, name, args, {**self.env, **(env or {})})
         self.daemons.append(d)
         return d
 

@@ -35,7 +35,6 @@ class MeshView:
         self.known: dict[str, CoverageRecord] = {}
         self.latency: dict[str, float] = {}  # moving average of a record round trip per peer, seconds
         self.coverage = CoverageMap.build(record.n_layers, [record])
-        self.updated = trio.Event()
 
     @property
     def peer_id(self) -> str:
@@ -142,8 +141,6 @@ class MeshView:
                 del self.known[pid]
                 self.latency.pop(pid, None)
         self._rebuild(now)
-        self.updated.set()
-        self.updated = trio.Event()
         return self.coverage
 
     async def _reconnect(self, pid: ID, key: str) -> None:
@@ -206,6 +203,3 @@ class MeshView:
             with trio.move_on_after(LOOKUP_TIMEOUT * 2):
                 await self.dht.refresh_routing_table()
         return reached
-
-    def peer_info(self, peer_id: str) -> ID:
-        return ID.from_base58(peer_id)

@@ -1,7 +1,7 @@
 """Serving a shard over streams: one long-lived stream per session hop, frames in, frames out.
 
-Rules: tensor work runs in a worker thread, one computation at a time per shard, so the event
-loop keeps reading every stream; a stream's sessions are released when the stream ends, however
+Rules: tensor work runs on the daemon's compute executor, one job at a time in arrival order, so
+the event loop keeps reading every stream; a stream's sessions are released when the stream ends, however
 it ends, so a vanished entry never leaves KV behind; every failure goes back as an `Error` frame.
 """
 
@@ -26,7 +26,6 @@ class ShardService:
     def __init__(self, endpoint: ShardEndpoint, compute: ComputeExecutor) -> None:
         self.endpoint = endpoint
         self.compute = compute
-        self.active_streams = 0
         self.compute_s = 0.0  # time spent in tensor work, for status and benchmarks
         self.steps = 0
         self.decode_layer_rate: float | None = None  # moving average of layer-steps/s on real decode steps
@@ -55,7 +54,6 @@ class ShardService:
         """The /meshd/shard/1.0.0 handler: serve frames until the stream ends."""
         channel = Channel.over_libp2p(stream)
         opened: set[tuple[bytes, int]] = set()
-        self.active_streams += 1
         try:
             while True:
                 try:
@@ -86,7 +84,6 @@ class ShardService:
         except ChannelClosed:
             pass
         finally:
-            self.active_streams -= 1
             with trio.CancelScope(shield=True):
                 for key in opened:
                     await self.release(key)

@@ -69,9 +69,6 @@ class SessionKV:
     def commit(self, end: int) -> None:
         self.length = end
 
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
 
 class KVStore:
     """All sessions' caches of one shard; thread-safe; `used_bytes` never exceeds `budget_bytes`."""
