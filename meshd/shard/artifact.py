@@ -126,6 +126,38 @@ class Artifact:
         with safe_open(self._hf_index[name], framework="pt") as f:
             return f.get_tensor(name).float().numpy()
 
+    def raw(self, name: str):
+        """The named GGUF tensor as stored (a `quant.RawTensor`); None for a Hugging Face directory."""
+        if self._gguf is None:
+            return None
+        from meshd.shard.quant import RawTensor
+
+        if name not in self._gguf.tensors:
+            raise ArtifactError(f"{self.path.name} has no tensor {name!r}")
+        info = self._gguf.tensors[name]
+        shape = info.shape if len(info.shape) > 1 else (1, *info.shape)
+        return RawTensor(name, info.qtype, shape, self._gguf.raw(name))
+
+    def read_stored(self, name: str):
+        """A Hugging Face tensor in its stored dtype (torch), for lanes that keep floats as stored."""
+        from safetensors import safe_open
+
+        if name not in self._hf_index:
+            raise ArtifactError(f"{self.path.name} has no tensor {name!r}")
+        with safe_open(self._hf_index[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def stored_bytes(self, name: str) -> int:
+        """Bytes the artifact stores for the named tensor."""
+        if self._gguf is not None:
+            return self._gguf.tensors[name].nbytes
+        from safetensors import safe_open
+
+        with safe_open(self._hf_index[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(sl.get_dtype(), 4)
+            return int(np.prod(sl.get_shape())) * itemsize
+
     def tensor_elements(self, name: str) -> int:
         """Number of parameters in the named tensor (read from the header only)."""
         if self._gguf is not None:
@@ -134,6 +166,14 @@ class Artifact:
 
         with safe_open(self._hf_index[name], framework="np") as f:
             return int(np.prod(f.get_slice(name).get_shape()))
+
+    @property
+    def is_quantized(self) -> bool:
+        """A GGUF file with block-quantized tensors (the case the native lane is for)."""
+        from gguf import GGMLQuantizationType as QT
+
+        floats = {QT.F32, QT.F16, QT.BF16}
+        return self._gguf is not None and any(t.qtype not in floats for t in self._gguf.tensors.values())
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 Why not `gguf.GGUFReader`: it turns every element of the tokenizer arrays into its own numpy view,
 which costs seconds per open; a daemon opens its model at every start. Dequantization is still the
-`gguf` package's. Rule: nothing is read from the data section until a tensor is asked for, so a
-shard touches only the pages of its own tensors.
+`gguf` package's. Rules: nothing is read from the data section until a tensor is asked for, so a
+shard touches only its own tensors; and tensors are read with `pread` into memory the caller owns,
+never through a lasting mapping, so the file's pages do not stay in the daemon's resident memory
+after the shard has repacked them (the page cache is told it may drop them).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +78,21 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        cur = _Cursor(memoryview(self._map))
+        self.size = self.path.stat().st_size
+        header = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:
+            self._parse(header)
+        finally:
+            mm = getattr(header, "_mmap", None)
+            del header
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive somewhere; the collector will close it
+                    pass
+
+    def _parse(self, header: np.ndarray) -> None:
+        cur = _Cursor(memoryview(header))
         if bytes(cur.data[:4]) != GGUF_MAGIC:
             raise GGUFError(f"{self.path} is not a GGUF file (bad magic)")
         cur.pos = 4
@@ -87,7 +103,9 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.take("<I"))
+            value = cur.value(cur.take("<I"))
+            # arrays are views of the mapping: copy them, so the mapping can be closed
+            self.metadata[key] = value.copy() if isinstance(value, np.ndarray) else value
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -102,14 +120,27 @@ class GGUFFile:
             n = int(np.prod(shape)) if shape else 1
             self.tensors[name] = TensorInfo(name, shape, qtype, data_start + offset, n // block * type_size)
         for info in self.tensors.values():
-            if info.offset + info.nbytes > len(self._map):
+            if info.offset + info.nbytes > self.size:
                 raise GGUFError(f"{self.path}: tensor {info.name} runs past the end of the file")
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's stored bytes, memory-mapped, shaped (rows, bytes per row)."""
+        """The tensor's stored bytes, in a new array, shaped (rows, bytes per row)."""
         info = self.tensors[name]
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-        return self._map[info.offset:info.offset + info.nbytes].reshape(rows, -1)
+        out = np.empty(info.nbytes, np.uint8)
+        view, done = memoryview(out), 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < info.nbytes:
+                n = os.preadv(fd, [view[done:]], info.offset + done)
+                if n <= 0:
+                    raise GGUFError(f"{self.path}: short read in tensor {name}")
+                done += n
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return out.reshape(rows, -1)
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as float32 (dequantized when stored quantized), numpy shape order."""
@@ -125,4 +156,4 @@ class GGUFFile:
                 out = dequantize(self.raw(name), info.qtype)
             except NotImplementedError:
                 raise GGUFError(f"{self.path}: tensor {name} uses {info.qtype.name}, which cannot be dequantized") from None
-        return np.array(out, dtype=np.float32, copy=True).reshape(info.shape)
+        return np.asarray(out, dtype=np.float32).reshape(info.shape)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from meshd.shard.config import ModelConfig
-from meshd.shard.linear import Weight, linear, make_weight
+from meshd.shard.linear import Weight, linear, load_matrix, load_table, lookup
 
 
 @dataclass
@@ -66,28 +66,23 @@ def global_names(artifact) -> dict[str, str]:
 def load_layer(artifact, i: int, recipe) -> GPT2Layer:
     out = {}
     for key, name in source_names(artifact, i).items():
-        a = artifact.read(name)
-        if artifact.kind == "hf" and key in _CONV1D:
-            a = a.T
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if key.startswith("ln"):
-            out[key] = t.float()
-        elif key in _CONV1D:
-            out[key] = make_weight(t, recipe.weight_dtype, recipe.torch_compute)
-        else:
-            out[key] = t.to(recipe.torch_compute)
+        if key in _CONV1D:
+            out[key] = load_matrix(artifact, [name], recipe, transpose_hf=True)
+            continue
+        t = torch.from_numpy(np.ascontiguousarray(artifact.read(name)))
+        out[key] = t.float() if key.startswith("ln") else t.to(recipe.torch_compute)
     return GPT2Layer(**out)
 
 
-def load_head(artifact, recipe) -> dict[str, torch.Tensor]:
+def load_head(artifact, recipe) -> dict:
     names = global_names(artifact)
-    return {"embed": torch.from_numpy(artifact.read(names["embed"])),
+    return {"embed": load_table(artifact, names["embed"], recipe),
             "pos_embed": torch.from_numpy(artifact.read(names["pos_embed"]))}
 
 
 def embed(head, ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
     positions = torch.arange(pos, pos + ids.shape[1])
-    return (F.embedding(ids, head["embed"]) + head["pos_embed"][positions]).to(dtype)
+    return (lookup(head["embed"], ids) + head["pos_embed"][positions]).to(dtype)
 
 
 def load_tail(artifact, recipe, head: dict | None = None) -> dict:
@@ -95,8 +90,7 @@ def load_tail(artifact, recipe, head: dict | None = None) -> dict:
     if head is not None and names["lm_head"] == names["embed"] and recipe.weight_dtype == "float32":
         lm_head = head["embed"]
     else:
-        lm_head = make_weight(torch.from_numpy(artifact.read(names["lm_head"])), recipe.weight_dtype,
-                              recipe.torch_compute)
+        lm_head = load_matrix(artifact, [names["lm_head"]], recipe)
     return {"norm_w": torch.from_numpy(artifact.read(names["norm_w"])).float(),
             "norm_b": torch.from_numpy(artifact.read(names["norm_b"])).float(), "lm_head": lm_head}
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from meshd.shard.config import ModelConfig
-from meshd.shard.linear import Weight, linear, make_weight
+from meshd.shard.linear import Weight, linear, load_matrix, load_table, lookup
 
 
 @dataclass
@@ -64,21 +64,26 @@ def global_names(kind: str, cfg: ModelConfig) -> dict[str, str]:
 def load_layer(artifact, i: int, recipe) -> LlamaLayer:
     cfg = artifact.config
     names = source_names(artifact.kind, i, cfg)
-    t = {key: artifact.read(name) for key, name in names.items()}
-    if artifact.kind == "gguf" and cfg.arch in ("llama", "mistral"):
-        t["q"] = unpermute_rope(t["q"], cfg.n_heads)
-        t["k"] = unpermute_rope(t["k"], cfg.n_kv_heads)
-        if cfg.attn_bias:
-            t["bq"] = unpermute_rope(t["bq"], cfg.n_heads)
-            t["bk"] = unpermute_rope(t["bk"], cfg.n_kv_heads)
-    compute = recipe.torch_compute
-    as_w = lambda a: make_weight(torch.from_numpy(np.ascontiguousarray(a)), recipe.weight_dtype, compute)  # noqa: E731
-    bqkv = torch.from_numpy(np.concatenate([t["bq"], t["bk"], t["bv"]])).to(compute) if cfg.attn_bias else None
+    heads = {names["q"]: cfg.n_heads, names["k"]: cfg.n_kv_heads}
+    if cfg.attn_bias:
+        heads |= {names["bq"]: cfg.n_heads, names["bk"]: cfg.n_kv_heads}
+    permuted = artifact.kind == "gguf" and cfg.arch in ("llama", "mistral")
+
+    def rows(name, a):
+        return unpermute_rope(a, heads[name]) if permuted and name in heads else a
+
+    vector = lambda key: torch.from_numpy(np.ascontiguousarray(artifact.read(names[key]))).float()  # noqa: E731
+    bqkv = None
+    if cfg.attn_bias:
+        bqkv = torch.from_numpy(np.concatenate([rows(names[k], artifact.read(names[k])) for k in ("bq", "bk", "bv")]))
+        bqkv = bqkv.to(recipe.torch_compute)
     return LlamaLayer(
-        attn_norm=torch.from_numpy(t["attn_norm"]).float(),
-        wqkv=as_w(np.concatenate([t["q"], t["k"], t["v"]])), bqkv=bqkv, wo=as_w(t["o"]),
-        ffn_norm=torch.from_numpy(t["ffn_norm"]).float(),
-        w_gate_up=as_w(np.concatenate([t["gate"], t["up"]])), w_down=as_w(t["down"]),
+        attn_norm=vector("attn_norm"),
+        wqkv=load_matrix(artifact, [names["q"], names["k"], names["v"]], recipe, rows), bqkv=bqkv,
+        wo=load_matrix(artifact, [names["o"]], recipe),
+        ffn_norm=vector("ffn_norm"),
+        w_gate_up=load_matrix(artifact, [names["gate"], names["up"]], recipe),
+        w_down=load_matrix(artifact, [names["down"]], recipe),
     )
 
 
@@ -128,7 +133,7 @@ def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rota
     q, k = qk[:, :nh], qk[:, nh:]
     v = v.view(1, n, nkv, hd).transpose(1, 2)
     keys, values = kv.append(li, k, v, pos)
-    attn = attention(q, keys, values, pos)
+    attn = attention(q if q.dtype == keys.dtype else q.to(keys.dtype), keys, values, pos)
     x = x + linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo)
     h = rms_norm(x, p.ffn_norm, cfg.norm_eps)
     gate, up = linear(h, p.w_gate_up).chunk(2, dim=-1)
@@ -149,13 +154,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
                                           enable_gqa=keys.shape[1] != q.shape[1])
 
 
-def load_head(artifact, recipe) -> dict[str, torch.Tensor]:
+def load_head(artifact, recipe) -> dict:
     names = global_names(artifact.kind, artifact.config)
-    return {"embed": torch.from_numpy(artifact.read(names["embed"]))}
+    return {"embed": load_table(artifact, names["embed"], recipe)}
 
 
-def embed(head: dict[str, torch.Tensor], ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
-    return F.embedding(ids, head["embed"]).to(dtype)
+def embed(head: dict, ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
+    return lookup(head["embed"], ids).to(dtype)
 
 
 def load_tail(artifact, recipe, head: dict | None = None) -> dict:
@@ -163,8 +168,7 @@ def load_tail(artifact, recipe, head: dict | None = None) -> dict:
     if head is not None and names["lm_head"] == names["embed"] and recipe.weight_dtype == "float32":
         lm_head = head["embed"]  # tied: share the head's copy when one shard is both
     else:
-        lm_head = make_weight(torch.from_numpy(artifact.read(names["lm_head"])), recipe.weight_dtype,
-                              recipe.torch_compute)
+        lm_head = load_matrix(artifact, [names["lm_head"]], recipe)
     return {"final_norm": torch.from_numpy(artifact.read(names["final_norm"])).float(), "lm_head": lm_head}
 
 

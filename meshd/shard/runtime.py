@@ -18,7 +18,6 @@ from meshd.log import get_logger
 from meshd.shard import gpt2, llama
 from meshd.shard.artifact import Artifact
 from meshd.shard.kv import KVStore
-from meshd.shard.linear import Int8Weight
 from meshd.shard.recipe import EXACT, Recipe
 
 FAMILIES = {"llama": llama, "gpt2": gpt2}
@@ -56,7 +55,7 @@ class Shard:
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
                           kv_budget_bytes, kv_ttl_s)
         log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
-                 params=self.n_params, seconds=round(self.load_seconds, 2))
+                 params=self.n_params, weight_mb=round(self.weight_bytes / 1e6, 1), seconds=round(self.load_seconds, 2))
 
     @property
     def is_head(self) -> bool:
@@ -72,9 +71,19 @@ class Shard:
             for t in part.values():
                 if isinstance(t, torch.Tensor):
                     out.append(t)
-                elif isinstance(t, Int8Weight):
+                elif hasattr(t, "tensors"):
                     out.extend(t.tensors())
         return out
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this shard holds (shared tensors counted once)."""
+        seen, total = set(), 0
+        for t in self.tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
 
     @property
     def n_params(self) -> int:
