@@ -7,6 +7,8 @@ import sys
 
 from meshd.log import setup_logging
 
+RECIPE_CHOICES = ["auto", "native", "exact", "compact"]  # meshd.shard.recipe.CHOICES, without importing torch
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshd", description="Run a language model across machines.")
@@ -17,11 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--model", help="smollm2 (bundled, default), a .gguf file or an HF directory")
     join.add_argument("--layers", help="auto (default) or A:B")
     join.add_argument("--num-layers", type=int, help="with --layers auto: how many layers to serve")
-    join.add_argument("--memory", type=int, help="with --layers auto: bytes of weights this node may hold")
+    join.add_argument("--memory", type=int, help="bytes of weights this node may hold (caps --layers auto;"
+                                                 " a fixed range that needs more is refused)")
     join.add_argument("--listen", action="append", help="multiaddr to listen on (repeatable)")
     join.add_argument("--state-dir", help="identity and caches (default ~/.local/share/meshd)")
     join.add_argument("--socket", help="control socket path")
-    join.add_argument("--recipe", choices=["exact", "compact"], help="exact (float32, default) or compact")
+    join.add_argument("--recipe", choices=RECIPE_CHOICES,
+                      help="auto (default: native for a quantized GGUF, else exact), native, exact or compact")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("prompt")
     local.add_argument("--model", default="smollm2", help="smollm2 (bundled), a .gguf file or an HF directory")
     local.add_argument("--split", default="", help="layer boundaries between shards, e.g. 7,19")
-    local.add_argument("--recipe", default="exact", choices=["exact", "compact"])
+    local.add_argument("--recipe", default="auto", choices=RECIPE_CHOICES)
     local.add_argument("--max-tokens", type=int, default=64)
     local.add_argument("--temperature", type=float, default=0.0)
     local.add_argument("--top-k", type=int, default=0)

@@ -35,6 +35,7 @@ from meshd.serve import ShardService
 from meshd.settings import Settings
 from meshd.shard.artifact import open_artifact
 from meshd.shard.endpoint import ShardEndpoint
+from meshd.shard.footprint import check_fits, layer_bytes, weight_bytes
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
 
@@ -62,11 +63,13 @@ class Daemon:
         self.stop_requested = trio.Event()
         self.trio_token = trio.lowlevel.current_trio_token()
         s = self.settings
-        self.recipe = get_recipe(s.recipe)
         self.artifact = await trio.to_thread.run_sync(open_artifact, s.model)
+        self.recipe = get_recipe(s.recipe, self.artifact)
         cfg = self.artifact.config
         self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.family, "artifact")
         fixed = s.parse_layers(cfg.n_layers)
+        if fixed is not None:  # refuse before joining: a range that cannot fit is an operator's error
+            check_fits(self.artifact, self.recipe, *fixed, memory=s.memory)
         key_pair = load_or_create_identity(s.state_path)
         async with open_host(key_pair, s.listen) as host:
             self.host = host
@@ -139,16 +142,15 @@ class Daemon:
         want = self.settings.layers_wanted(cfg.n_layers, self._layer_bytes())
         coverage = self.mesh.coverage.without(self.mesh.peer_id)
         start, end = choose_range(coverage, want)
+        if self.settings.memory:  # the head's embedding and the tail's LM head come on top of the layers
+            while end - start > 1 and weight_bytes(self.artifact, self.recipe, start, end) > self.settings.memory:
+                end -= 1
         log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())
         return start, end
 
     def _layer_bytes(self) -> int:
-        """Resident bytes of one layer under this recipe (float32: 4 bytes per parameter)."""
-        from meshd.shard.runtime import FAMILIES
-
-        names = FAMILIES[self.artifact.config.family].tensor_names(self.artifact.kind, self.artifact.config, 0)
-        params = sum(self.artifact.tensor_elements(n) for n in names)
-        return params * (4 if self.recipe.weight_dtype == "float32" else 1)
+        """Resident bytes of one layer under this recipe (the lane's real layout, e.g. packed int4)."""
+        return layer_bytes(self.artifact, self.recipe, self.artifact.config.n_layers // 2)
 
     def _live_fields(self) -> dict:
         """Record fields that change while serving: throughput (measured on real decode steps once
@@ -166,6 +168,8 @@ class Daemon:
         return max(1, self.shard.kv.bytes_for(2048))
 
     async def _load(self, start: int, end: int) -> None:
+        check_fits(self.artifact, self.recipe, start, end, memory=self.settings.memory)
+
         def load():
             shard = Shard(self.artifact, start, end, self.recipe, kv_budget_bytes=self.settings.kv_budget)
             tokenizer = None
@@ -282,5 +286,8 @@ def run_daemon(settings: Settings) -> int:
         return 130 if not failure else 1
     loop.join()
     if failure:
-        raise failure[0]
+        exc = failure[0]
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]  # a nursery's wrapper around the one real failure
+        raise exc
     return 0

@@ -34,9 +34,9 @@ def parse_split(split: str, n_layers: int) -> list[tuple[int, int]]:
 class LocalPipeline:
     """Shards of one model in one process, chained through encoded frames."""
 
-    def __init__(self, model: str, split: str = "", recipe: Recipe | str = "exact") -> None:
-        self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    def __init__(self, model: str, split: str = "", recipe: Recipe | str = "auto") -> None:
         self.artifact = open_artifact(model)
+        self.recipe = get_recipe(recipe, self.artifact) if isinstance(recipe, str) else recipe
         self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, self.artifact.config.family, "artifact")
         self.ranges = parse_split(split, self.artifact.config.n_layers)
         self.endpoints = [ShardEndpoint(Shard(self.artifact, a, b, self.recipe), self.artifact.fingerprint,

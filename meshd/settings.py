@@ -41,7 +41,7 @@ class Settings:
     listen: list[str] = field(default_factory=lambda: list(DEFAULT_LISTEN))
     state_dir: str = ""
     socket: str = ""
-    recipe: str = "exact"
+    recipe: str = "auto"
     record_ttl: float = 10.0
     kv_budget: int = 1 << 30
 

@@ -47,8 +47,13 @@ def test_memory_budget_bounds_the_auto_range():
     d.artifact, d.recipe = open_artifact("smollm2"), get_recipe("exact")
     params = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576  # q, o, k, v, gate/up/down, norms
     assert d._layer_bytes() == params * 4  # float32 in the exact recipe
+    matrices, rows, norms = params - 2 * 576, 576 + 192 + 192 + 576 + 2 * 1536 + 576, 2 * 576
     d.recipe = get_recipe("compact")
-    assert d._layer_bytes() == params  # int8
+    assert d._layer_bytes() == matrices + 2 * rows + 4 * norms  # int8, a bfloat16 scale per row
+    d.recipe = get_recipe("auto", d.artifact)
+    assert d.recipe.name == "native"  # the default for a quantized GGUF
+    block = sum(d.artifact.stored_bytes(n) for n in d.artifact.tensor_names() if n.startswith("blk.15."))
+    assert d._layer_bytes() == block == matrices * 5 // 8 + 4 * norms  # Q4_1 repacks at its own 5 bits
     per = params * 4
     assert Settings().layers_wanted(30, per) == 30
     assert Settings(num_layers=10).layers_wanted(30, per) == 10

@@ -79,7 +79,7 @@ def test_meshd_local_prints_only_the_text(smollm2, reference):
     prompt = PROMPTS[1]
     expected = tok.decode(reference_greedy(reference, tok(prompt).input_ids, 24), skip_special_tokens=True)
     out = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", "7,19", "--max-tokens", "24",
-                          "--ignore-eos", "--stats", prompt], capture_output=True, text=True, timeout=300)
+                          "--ignore-eos", "--stats", "--recipe", "exact", prompt], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected + "\n"
     stats = json.loads(out.stderr.strip().splitlines()[-1])

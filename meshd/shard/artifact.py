@@ -158,6 +158,19 @@ class Artifact:
             itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(sl.get_dtype(), 4)
             return int(np.prod(sl.get_shape())) * itemsize
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The named tensor's shape, rows first (read from the header only)."""
+        if self._gguf is not None:
+            return self._gguf.tensors[name].shape
+        from safetensors import safe_open
+
+        with safe_open(self._hf_index[name], framework="np") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def tensor_qtype(self, name: str):
+        """The GGUF storage type of the named tensor (None for a Hugging Face directory)."""
+        return self._gguf.tensors[name].qtype if self._gguf is not None else None
+
     def tensor_elements(self, name: str) -> int:
         """Number of parameters in the named tensor (read from the header only)."""
         if self._gguf is not None:

@@ -94,7 +94,7 @@ def _native_one(group: list, act_dtype: torch.dtype) -> Weight:
         return torch.from_numpy(data.view(quant.FLOAT_TYPES[qtype]).reshape(raw.shape).copy())
     if qtype == quant.QT.BF16:
         return torch.from_numpy(data.view(np.int16).reshape(raw.shape).copy()).view(torch.bfloat16)
-    return quant.pack(quant.decode(raw), act_dtype)
+    return quant.pack(raw, act_dtype)
 
 
 def _mm(x2: torch.Tensor, w: Weight) -> torch.Tensor:

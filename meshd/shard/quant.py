@@ -155,25 +155,36 @@ class Int4Weight:
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
 
-def pack(codes: Codes, dtype: torch.dtype) -> Int4Weight:
-    """Codes -> the int4 kernel's layout; scales and zeros in `dtype` (the activations' dtype)."""
+def _halves(codes: Codes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit codes for the kernel, with its scale and zero per group (see the module rule)."""
     u, a, b = codes.u, codes.a, codes.b
-    rows, cols = u.shape
     if codes.bits == 4:
-        scale, zero = a, 8 * a + b
-    else:  # u = 16 * hi + lo: hi carries 16a per step, lo carries a and the offset
-        u = np.concatenate([u >> 4, u & 0x0F], axis=1)
-        scale, zero = np.concatenate([16 * a, a], axis=1), np.concatenate([128 * a, 8 * a + b], axis=1)
+        return u, a, 8 * a + b
+    # u = 16 * hi + lo: hi carries 16a per step, lo carries a and the offset
+    return (np.concatenate([u >> 4, u & 0x0F], axis=1), np.concatenate([16 * a, a], axis=1),
+            np.concatenate([128 * a, 8 * a + b], axis=1))
+
+
+def pack(raw: RawTensor, dtype: torch.dtype) -> Int4Weight:
+    """A quantized GGUF matrix in the int4 kernel's layout, scales and zeros in `dtype` (the
+    activations' dtype). Decoded and packed PACK_ROWS rows at a time."""
+    rows, cols = raw.shape
     padded = -(-rows // 16) * 16  # the kernel wants whole 16-row tiles
-    packed = torch.empty(padded, u.shape[1] // 2, dtype=torch.uint8)
+    packed = sz = None
     for r in range(0, padded, PACK_ROWS):
-        chunk = np.zeros((min(PACK_ROWS, padded - r), u.shape[1]), np.int32)
-        part = u[r:r + PACK_ROWS]
-        chunk[:len(part)] = part
-        packed[r:r + len(chunk)] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(chunk), 1)
-    sz = np.zeros((scale.shape[1], padded, 2), np.float32)
-    sz[:, :rows, 0], sz[:, :rows, 1] = scale.T, zero.T
-    return Int4Weight(packed, torch.from_numpy(sz).to(dtype), rows, cols, codes.bits == 8)
+        n = min(PACK_ROWS, padded - r)
+        part = raw.data[r:r + n]
+        u, scale, zero = _halves(decode(RawTensor(raw.name, raw.qtype, (len(part), cols), part)))
+        if packed is None:
+            dual = u.shape[1] != cols
+            packed = torch.empty(padded, u.shape[1] // 2, dtype=torch.uint8)
+            sz = torch.zeros(scale.shape[1], padded, 2, dtype=dtype)
+        staging = np.zeros((n, u.shape[1]), np.int32)
+        staging[:len(u)] = u
+        packed[r:r + n] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(staging), 1)
+        sz[:, r:r + len(u), 0] = torch.from_numpy(scale.T)
+        sz[:, r:r + len(u), 1] = torch.from_numpy(zero.T)
+    return Int4Weight(packed, sz, rows, cols, dual)
 
 
 def native_bytes(qtype: QT, shape: tuple[int, ...], act_itemsize: int = 2) -> int:

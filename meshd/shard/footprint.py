@@ -1,0 +1,152 @@
+"""What a shard will hold, known before it loads: weight bytes per recipe, and the memory it may use.
+
+Rules: computed from the artifact's header alone (no tensor is read), with the same arithmetic the
+loaders use, so `Shard.weight_bytes` after loading equals `weight_bytes` before (a test holds it).
+A daemon refuses up front a range that does not fit its `--memory` or its cgroup's hard limit,
+rather than being killed by the kernel half-way through loading.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshd.shard import quant
+
+STAGING_ROWS_BYTES = 12  # per element of a packing chunk: codes, int32 staging, halves
+
+
+class MemoryRefused(ValueError):
+    """The asked range does not fit the memory this daemon may use."""
+
+
+def _tensor_bytes(artifact, name: str, recipe, role: str) -> int:
+    """role: "matrix" (a weight matmuls run on), "vector" (norms, biases) or "table" (embedding)."""
+    n = artifact.tensor_elements(name)
+    if role == "vector":  # norms stay float32; biases take the compute dtype
+        is_norm = "norm" in name or "ln_" in name
+        return 4 * n if is_norm else n * recipe.torch_compute.itemsize
+    if recipe.weight_dtype == "float32" or (role == "table" and recipe.weight_dtype == "int8"):
+        return 4 * n
+    if recipe.weight_dtype == "int8":
+        rows = artifact.tensor_shape(name)[0]
+        return n + rows * recipe.torch_compute.itemsize
+    # stored: GGUF quantized tensors repack (or stay raw for a table); floats stay as stored
+    if artifact.kind == "gguf":
+        qtype, shape = artifact.tensor_qtype(name), artifact.tensor_shape(name)
+        if qtype in quant.FLOAT_TYPES or qtype == quant.QT.BF16:
+            return 4 * n if role == "table" else artifact.stored_bytes(name)
+        if role == "table":
+            return artifact.stored_bytes(name)
+        return quant.native_bytes(qtype, shape, recipe.torch_matmul.itemsize)
+    return 4 * n if role == "table" else artifact.stored_bytes(name)
+
+
+def _globals(family, artifact) -> dict[str, str]:
+    if artifact.config.family == "llama":
+        return family.global_names(artifact.kind, artifact.config)
+    return family.global_names(artifact)
+
+
+def layer_bytes(artifact, recipe, i: int) -> int:
+    """Bytes one layer holds under this recipe."""
+    from meshd.shard.runtime import FAMILIES
+
+    family = FAMILIES[artifact.config.family]
+    names = family.tensor_names(artifact.kind, artifact.config, i)
+    return sum(_tensor_bytes(artifact, n, recipe, "matrix" if len(artifact.tensor_shape(n)) == 2 else "vector")
+               for n in names)
+
+
+def weight_bytes(artifact, recipe, start: int, end: int) -> int:
+    """Bytes of weights a shard over [start, end) holds: its layers, the embedding at the head,
+    the final norm and LM head at the tail (a tied head shares the table only in float32)."""
+    from meshd.shard.runtime import FAMILIES
+
+    family, cfg = FAMILIES[artifact.config.family], artifact.config
+    total = sum(layer_bytes(artifact, recipe, i) for i in range(start, end))
+    g = _globals(family, artifact)
+    if start == 0:
+        total += _tensor_bytes(artifact, g["embed"], recipe, "table")
+        if "pos_embed" in g:
+            total += 4 * artifact.tensor_elements(g["pos_embed"])
+    if end == cfg.n_layers:
+        norms = [g[k] for k in ("final_norm", "norm_w", "norm_b") if k in g]
+        total += sum(4 * artifact.tensor_elements(n) for n in norms)
+        shared = start == 0 and g["lm_head"] == g["embed"] and recipe.weight_dtype == "float32"
+        if not shared:
+            total += _tensor_bytes(artifact, g["lm_head"], recipe, "matrix")
+    return total
+
+
+def owned_artifact_bytes(artifact, start: int, end: int) -> int:
+    """Bytes the artifact stores for what a shard owns (the yardstick of the memory goal)."""
+    from meshd.shard.runtime import FAMILIES
+
+    family, cfg = FAMILIES[artifact.config.family], artifact.config
+    names = [n for i in range(start, end) for n in family.tensor_names(artifact.kind, cfg, i)]
+    g = _globals(family, artifact)
+    if start == 0:
+        names += [g["embed"]] + ([g["pos_embed"]] if "pos_embed" in g else [])
+    if end == cfg.n_layers:
+        names += [g[k] for k in ("final_norm", "norm_w", "norm_b", "lm_head") if k in g]
+    return sum(artifact.stored_bytes(n) for n in names)
+
+
+def staging_bytes(artifact) -> int:
+    """Transient bytes while repacking one tensor (its raw copy plus one packing chunk)."""
+    biggest = max(artifact.stored_bytes(n) for n in artifact.tensor_names())
+    widest = max(artifact.tensor_shape(n)[-1] for n in artifact.tensor_names())
+    return biggest + quant.PACK_ROWS * 2 * widest * STAGING_ROWS_BYTES
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The hard memory limit of this process's cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`)."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hier, controllers, path = line.split(":", 2)
+        if hier == "0" and controllers == "":
+            candidates = [Path(root) / path.lstrip("/") / "memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [Path(root) / "memory" / path.lstrip("/") / "memory.limit_in_bytes"]
+        else:
+            continue
+        for c in candidates:
+            try:
+                text = c.read_text().strip()
+            except OSError:
+                continue
+            if text != "max" and int(text) < (1 << 60):
+                return int(text)
+    return None
+
+
+def rss_bytes() -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_fits(artifact, recipe, start: int, end: int, memory: int = 0, limit: int | None = None,
+               used: int | None = None) -> int:
+    """Weight bytes of [start, end); MemoryRefused if they exceed `memory` (--memory) or, with the
+    staging while loading, what is left under `limit` (default: the cgroup's) above `used` (RSS)."""
+    need = weight_bytes(artifact, recipe, start, end)
+    mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
+    what = f"layers {start}:{end} of {artifact.name} need {mb(need)} of weights in the {recipe.name} recipe"
+    if memory and need > memory:
+        raise MemoryRefused(f"{what}, more than --memory allows ({mb(memory)}); serve fewer layers")
+    limit = cgroup_limit() if limit is None else limit
+    if limit:
+        used = rss_bytes() if used is None else used
+        peak = need + staging_bytes(artifact)
+        if used + peak > limit:
+            raise MemoryRefused(f"{what} (about {mb(peak)} while loading), but this process's memory limit"
+                                f" is {mb(limit)} with {mb(used)} in use; serve fewer layers")
+    return need
