@@ -235,6 +235,8 @@ class Daemon:
             "generations": self.active_generations,
             "uptime_s": round(time.time() - self.started_at, 1),
             "throughput": round(self.throughput, 1),
+            "load_s": round(self.shard.load_seconds, 2) if self.shard else None,
+            "weight_bytes": self.shard.weight_bytes if self.shard else 0,
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "compute_busy_s": round(self.compute.busy_s, 3),

@@ -19,7 +19,7 @@ START_TIMEOUT = 120.0
 
 
 class DaemonProc:
-    def __init__(self, root: Path, name: str, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, root: Path, name: str, args: list[str], env: dict | None = None, preexec_fn=None) -> None:
         self.name, self.dir = name, root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.socket = self.dir / "s.sock"
@@ -28,7 +28,7 @@ class DaemonProc:
                "--state-dir", str(self.dir / "state"), "--socket", str(self.socket), *args]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
 
     def status(self, timeout: float = 10.0) -> dict | None:
         out = ctl(self.socket, ["status", "--json"], timeout=timeout)
@@ -90,8 +90,9 @@ class Mesh:
         self.daemons: list[DaemonProc] = []
         self.env = {"MESHD_RECORD_TTL": "8"} if env is None else env
 
-    def start(self, name: str, args: list[str], env: dict | None = None) -> DaemonProc:
-        d = DaemonProc(self.root, name, args, {**self.env, **(env or {})})
+    def start(self, name: str, args: list[str], env: dict | None = None, preexec_fn=None) -> DaemonProc:
+        """`preexec_fn` runs in the child before the daemon starts (e.g. to enter a memory cgroup)."""
+        d = DaemonProc(self.root, name, args, {**self.env, **(env or {})}, preexec_fn)
         self.daemons.append(d)
         return d
 

@@ -32,7 +32,7 @@ def random_blocks(qt: QT, rows: int, cols: int, seed: int = 0) -> quant.RawTenso
 
 @pytest.mark.parametrize("qt", LOSSLESS, ids=lambda q: q.name)
 def test_lossless_types_decode_exactly_and_multiply_within_float_rounding(qt):
-    rows, cols = 4096 + 48, 512  # more than one packing chunk, and a last chunk of a 16-row tile
+    rows, cols = 2048 + 48, 512  # more than one packing chunk, and a last chunk of a 16-row tile
     raw = random_blocks(qt, rows, cols)
     ref = torch.from_numpy(dequantize(raw.data, qt).reshape(rows, cols))
     codes = quant.decode(raw)
@@ -98,7 +98,7 @@ def test_quantized_embedding_rows_are_dequantized_on_lookup():
 
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q8_0, QT.Q5_K], ids=lambda q: q.name)
 def test_native_bytes_is_what_packing_holds(qt):
-    raw = random_blocks(qt, 4096 + 48, 512)
+    raw = random_blocks(qt, 2048 + 48, 512)
     w = quant.pack(raw, torch.bfloat16)
     held = sum(t.numel() * t.element_size() for t in w.tensors())
     assert quant.native_bytes(qt, raw.shape) == held

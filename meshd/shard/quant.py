@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
 GROUP = 32
-PACK_ROWS = 4096  # rows packed per kernel call (a multiple of the kernel's 64-row tiles)
+PACK_ROWS = 1024  # rows packed per kernel call (a multiple of the kernel's 64-row tiles; small staging)
 FLOAT_TYPES = {QT.F32: np.float32, QT.F16: np.float16}
 LOSSLESS = {QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q8_0}
 REQUANTIZED = {QT.Q6_K}

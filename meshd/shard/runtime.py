@@ -17,6 +17,7 @@ import torch
 from meshd.log import get_logger
 from meshd.shard import gpt2, llama
 from meshd.shard.artifact import Artifact
+from meshd.shard.footprint import trim_heap
 from meshd.shard.kv import KVStore
 from meshd.shard.recipe import EXACT, Recipe
 
@@ -50,6 +51,7 @@ class Shard:
                 print(file=sys.stderr)
             self.tail = self.family.load_tail(artifact, recipe, self.head) if self.is_tail else None
             self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family == "llama" else None
+        trim_heap()
         self.load_seconds = time.perf_counter() - t0
         self._ranges: dict[Hashable, tuple[int, int]] = {}
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),

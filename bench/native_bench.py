@@ -1,0 +1,317 @@
+"""The native lane against llama.cpp, transformers and the exact lane, in one run on one machine.
+
+Each system runs in its own process (so load time and resident memory are its own), on the same
+prompts and token ids, 2 threads:
+  - llama.cpp: llama-cpp-python on the same GGUF (optional: `bash scripts/bench-extra.sh` builds it)
+  - transformers: `generate`, float32, the whole model
+  - meshd exact, meshd native: one process, all 30 layers
+  - meshd native split: three shards in one process (must give the native tokens exactly)
+  - a native daemon: one `meshd join` serving 0:30, asked through `meshctl generate`
+Reports decode tok/s (median over prompts), prefill tok/s (512 tokens), load seconds, RSS, and
+agreement: free-running greedy tokens matching, and teacher-forced top-1 agreement per position on
+the exact lane's sequences.
+Usage: python bench/native_bench.py [--tokens 64] [--prompts 8] [--skip llamacpp,transformers,...]
+Prints a table, then one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "Explain why the sky is blue in simple terms.", "Water boils at", "The three primary colors are",
+           "Write a short poem about the sea.", "import numpy as np\n", "The best way to learn a language is",
+           "In 1969, the first humans"]
+PREFILL = 512
+SYSTEMS = ["exact", "native", "native_split", "llamacpp", "transformers", "daemon"]
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def prefill_ids() -> list[int]:
+    import random
+
+    rng = random.Random(1)
+    return [rng.randrange(100, 40000) for _ in range(PREFILL)]
+
+
+# ---- workers: each prints one JSON object ----
+
+def worker_meshd(name: str, prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
+    import torch
+
+    from meshd.shard.artifact import open_artifact
+    from meshd.shard.recipe import get_recipe
+    from meshd.shard.runtime import Shard
+
+    art = open_artifact("smollm2")
+    recipe = get_recipe("exact" if name == "exact" else "native")
+    t0 = time.perf_counter()
+    bounds = [(0, 10), (10, 20), (20, 30)] if name == "native_split" else [(0, 30)]
+    shards = [Shard(art, a, b, recipe, progress=False) for a, b in bounds]
+    load = time.perf_counter() - t0
+
+    def step(key, x, pos):
+        for s in shards:
+            x = s.forward(key, x, pos)
+        return x
+
+    out: dict = {"load_s": load, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": [], "forced": []}
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts):
+            for s in shards:
+                s.open_session("b", len(ids) + n + 1)
+            logits = step("b", torch.tensor([ids]), 0)
+            toks, pos = [int(logits.argmax())], len(ids)
+            t0 = time.perf_counter()
+            for _ in range(n - 1):
+                toks.append(int(step("b", torch.tensor([[toks[-1]]]), pos).argmax()))
+                pos += 1
+            out["decode_tok_s"].append((n - 1) / (time.perf_counter() - t0))
+            out["tokens"].append(toks)
+            if refs is not None and name != "native_split":  # teacher-forced on the reference continuation
+                for s in shards:
+                    s.open_session("f", len(ids) + n + 1)
+                forced = [int(step("f", torch.tensor([ids]), 0).argmax())]
+                for p, t in enumerate(refs[i][:-1]):
+                    forced.append(int(step("f", torch.tensor([[t]]), len(ids) + p).argmax()))
+                out["forced"].append(forced)
+        if name != "native_split":
+            rates = []
+            for _ in range(3):
+                for s in shards:
+                    s.open_session("p", PREFILL)
+                t0 = time.perf_counter()
+                for c in range(0, PREFILL, 128):  # chunked as a daemon's prefill is
+                    step("p", torch.tensor([prefill_ids()[c:c + 128]]), c)
+                rates.append(PREFILL / (time.perf_counter() - t0))
+            out["prefill_tok_s"] = statistics.median(rates)
+    return out
+
+
+def worker_llamacpp(prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    from meshd.shard.artifact import resolve_model
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(resolve_model("smollm2")), n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
+                verbose=False)
+    out: dict = {"load_s": time.perf_counter() - t0, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": [],
+                 "forced": []}
+    last = lambda: int(np.argmax(llm.scores[llm.n_tokens - 1]))  # noqa: E731
+    for i, ids in enumerate(prompts):
+        llm.reset()
+        llm.eval(ids)
+        toks = [last()]
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([toks[-1]])
+            toks.append(last())
+        out["decode_tok_s"].append((n - 1) / (time.perf_counter() - t0))
+        out["tokens"].append(toks)
+        if refs is not None:
+            llm.reset()
+            llm.eval(ids)
+            forced = [last()]
+            for t in refs[i][:-1]:
+                llm.eval([t])
+                forced.append(last())
+            out["forced"].append(forced)
+    rates = []
+    for _ in range(3):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prefill_ids())
+        rates.append(PREFILL / (time.perf_counter() - t0))
+    out["prefill_tok_s"] = statistics.median(rates)
+    return out
+
+
+def worker_transformers(prompts: list[list[int]], n: int) -> dict:
+    import torch
+
+    from meshd.shard.artifact import open_artifact
+    from meshd.shard.reference import load_reference
+
+    t0 = time.perf_counter()
+    model = load_reference(open_artifact("smollm2"))
+    model.generation_config.eos_token_id = None
+    out: dict = {"load_s": time.perf_counter() - t0, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": []}
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            gen = lambda k: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k,  # noqa: E731
+                                           do_sample=False, pad_token_id=0)
+            t0 = time.perf_counter()
+            gen(1)  # prefill and the first token, taken off below as for the other systems
+            one = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            y = gen(n)
+            out["decode_tok_s"].append((n - 1) / (time.perf_counter() - t0 - one))
+            out["tokens"].append(y[0, len(ids):].tolist())
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model(torch.tensor([prefill_ids()]))
+            rates.append(PREFILL / (time.perf_counter() - t0))
+    out["prefill_tok_s"] = statistics.median(rates)
+    return out
+
+
+def worker_daemon(texts: list[str], n: int) -> dict:
+    from meshd.localmesh import Mesh, ctl
+    from meshd.shard.artifact import open_artifact
+    from meshd.shard.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(open_artifact("smollm2"))
+    m = Mesh()
+    try:
+        t0 = time.perf_counter()
+        d = m.start("d", ["--layers", "0:30", "--recipe", "native"])
+        st = d.wait_serving()
+        out: dict = {"start_s": time.perf_counter() - t0, "load_s": st.get("load_s"),
+                     "rss_mb": rss_mb(d.proc.pid), "decode_tok_s": [], "tokens": []}
+        for text in texts:
+            r = ctl(d.socket, ["generate", "--max-tokens", str(n), "--ignore-eos", "--stats", text])
+            stats = json.loads(r.stderr.strip().splitlines()[-1])
+            out["decode_tok_s"].append(stats["decode_tok_per_s"])
+            out["tokens"].append(tok(r.stdout[:-1], add_special_tokens=False).input_ids)
+        long_text = tok.decode(prefill_ids())
+        rates = []
+        for _ in range(3):
+            r = ctl(d.socket, ["generate", "--max-tokens", "1", "--stats", long_text])
+            stats = json.loads(r.stderr.strip().splitlines()[-1])
+            rates.append(stats["prompt_tokens"] / stats["ttft_s"])
+        out["prefill_tok_s"] = statistics.median(rates)
+        out["rss_after_mb"] = rss_mb(d.proc.pid)
+        return out
+    finally:
+        m.close()
+
+
+# ---- the driver ----
+
+def run_worker(name: str, job: dict) -> dict | None:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    r = subprocess.run([sys.executable, __file__, "--worker", name, "--job", f.name], capture_output=True, text=True,
+                       env=env, timeout=1800)
+    os.unlink(f.name)
+    if r.returncode != 0:
+        print(f"[{name}] failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q))
+    total = sum(min(len(p), len(q)) for p, q in zip(a, b))
+    prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)]
+    return {"positions_equal": same, "of": total, "identical_prompts": sum(p == q for p, q in zip(a, b)),
+            "mean_prefix": statistics.mean(prefix)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--skip", default="")
+    ap.add_argument("--worker")
+    ap.add_argument("--job")
+    args = ap.parse_args()
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(2)
+        job = json.load(open(args.job))
+        if args.worker in ("exact", "native", "native_split"):
+            res = worker_meshd(args.worker, job["prompts"], job["n"], job.get("refs"))
+        elif args.worker == "llamacpp":
+            res = worker_llamacpp(job["prompts"], job["n"], job.get("refs"))
+        elif args.worker == "transformers":
+            res = worker_transformers(job["prompts"], job["n"])
+        else:
+            res = worker_daemon(job["texts"], job["n"])
+        print(json.dumps(res))
+        return
+
+    from meshd.shard.artifact import open_artifact
+    from meshd.shard.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(open_artifact("smollm2"))
+    texts = PROMPTS[:args.prompts]
+    prompts = [tok(t).input_ids for t in texts]
+    n, skip = args.tokens, set(args.skip.split(","))
+    res: dict = {}
+    res["exact"] = run_worker("exact", {"prompts": prompts, "n": n})
+    refs = res["exact"]["tokens"]
+    for name in SYSTEMS[1:]:
+        if name in skip:
+            continue
+        if name == "llamacpp":
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                print("llama-cpp-python is not installed (bash scripts/bench-extra.sh): no llama.cpp column",
+                      file=sys.stderr)
+                continue
+        job = {"prompts": prompts, "n": n, "refs": refs, "texts": texts}
+        res[name] = run_worker(name, job)
+    res = {k: v for k, v in res.items() if v}
+
+    summary: dict = {"tokens": n, "prompts": len(prompts), "systems": {}}
+    for name, r in res.items():
+        summary["systems"][name] = {
+            "decode_tok_s": statistics.median(r["decode_tok_s"]), "prefill_tok_s": r.get("prefill_tok_s"),
+            "load_s": r.get("load_s"), "rss_mb": r.get("rss_mb")}
+    base = summary["systems"].get("llamacpp") or summary["systems"]["exact"]
+    for s in summary["systems"].values():
+        s["decode_x_llamacpp" if "llamacpp" in res else "decode_x_exact"] = s["decode_tok_s"] / base["decode_tok_s"]
+    agree = {}
+    for x, y in (("native", "exact"), ("llamacpp", "exact"), ("native", "llamacpp"), ("transformers", "exact"),
+                 ("native_split", "native"), ("daemon", "native")):
+        if x in res and y in res:
+            agree[f"{x}~{y}"] = agreement(res[x]["tokens"], res[y]["tokens"])
+    forced = {}
+    for x in ("native", "llamacpp"):
+        if x in res and res[x].get("forced"):
+            forced[f"{x}~exact"] = agreement(res[x]["forced"], refs)["positions_equal"] / (n * len(refs))
+    if "native" in res and "llamacpp" in res:
+        forced["native~llamacpp"] = agreement(res["native"]["forced"], res["llamacpp"]["forced"])[
+            "positions_equal"] / (n * len(refs))
+    summary["greedy_agreement"], summary["teacher_forced_top1"] = agree, forced
+    if "native_split" in res and "native" in res:
+        summary["split_equals_one_process"] = res["native_split"]["tokens"] == res["native"]["tokens"]
+
+    print(f"SmolLM2-135M Q4_1, {len(prompts)} prompts x {n} greedy tokens, 2 threads, prefill {PREFILL} tokens")
+    print(f"{'system':14} {'decode tok/s':>12} {'ratio':>7} {'prefill tok/s':>14} {'load s':>7} {'RSS MB':>7}")
+    for name, s in summary["systems"].items():
+        ratio = s.get("decode_x_llamacpp", s.get("decode_x_exact"))
+        print(f"{name:14} {s['decode_tok_s']:>12.1f} {ratio:>7.2f} {s['prefill_tok_s'] or 0:>14.0f} "
+              f"{s['load_s'] or 0:>7.2f} {s['rss_mb'] or 0:>7.0f}")
+    print("ratio: decode against", "llama.cpp" if "llamacpp" in res else "meshd exact")
+    for k, v in agree.items():
+        print(f"greedy {k:22} {v['positions_equal']}/{v['of']} positions equal, {v['identical_prompts']}"
+              f"/{len(prompts)} prompts identical, mean common prefix {v['mean_prefix']:.1f}")
+    for k, v in forced.items():
+        print(f"teacher-forced top-1 {k:16} {v:.3f}")
+    print(json.dumps({"bench": "native", **summary}))
+
+
+if __name__ == "__main__":
+    main()
