@@ -112,7 +112,9 @@ def worker_llamacpp(prompts: list[list[int]], n: int, refs: list[list[int]] | No
                 verbose=False)
     out: dict = {"load_s": time.perf_counter() - t0, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": [],
                  "forced": []}
-    last = lambda: int(np.argmax(llm.scores[llm.n_tokens - 1]))  # noqa: E731
+    n_vocab = llm.n_vocab()
+    # without logits_all, llama-cpp-python keeps no scores: read the last position's logits directly
+    last = lambda: int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))  # noqa: E731
     for i, ids in enumerate(prompts):
         llm.reset()
         llm.eval(ids)

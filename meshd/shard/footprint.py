@@ -12,7 +12,7 @@ from pathlib import Path
 
 from meshd.shard import quant
 
-STAGING_ROWS_BYTES = 12  # per element of a packing chunk: codes, int32 staging, halves
+STAGING_BYTES_PER_CODE = 6
 
 
 class MemoryRefused(ValueError):
@@ -94,10 +94,15 @@ def owned_artifact_bytes(artifact, start: int, end: int) -> int:
 
 
 def staging_bytes(artifact) -> int:
-    """Transient bytes while repacking one tensor (its raw copy plus one packing chunk)."""
-    biggest = max(artifact.stored_bytes(n) for n in artifact.tensor_names())
-    widest = max(artifact.tensor_shape(n)[-1] for n in artifact.tensor_names())
-    return biggest + quant.PACK_ROWS * 2 * widest * STAGING_ROWS_BYTES
+    """Transient bytes while repacking the costliest tensor: its raw copy plus one packing chunk
+    (codes, their int4 halves and the kernel's int32 input: 6 bytes a code)."""
+    def cost(name: str) -> int:
+        shape, qtype = artifact.tensor_shape(name), artifact.tensor_qtype(name)
+        halves = 1 if qtype in (quant.QT.Q4_0, quant.QT.Q4_1, quant.QT.Q4_K) else 2
+        chunk = min(quant.PACK_ROWS, shape[0]) * shape[-1] * halves * STAGING_BYTES_PER_CODE if len(shape) == 2 else 0
+        return artifact.stored_bytes(name) + chunk
+
+    return max(cost(n) for n in artifact.tensor_names())
 
 
 def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
