@@ -32,6 +32,7 @@ SHARD_PROTOCOL = TProtocol("/meshd/shard/1.0.0")
 GEN_PROTOCOL = TProtocol("/meshd/gen/1.0.0")
 OPEN_TIMEOUT = 30.0
 STEP_TIMEOUT = 60.0  # prefill, and decode before any step was timed
+REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
 DECODE_TIMEOUT_MIN = 5.0  # a decode step is given max(this, DECODE_TIMEOUT_FACTOR x the usual step)
 DECODE_TIMEOUT_FACTOR = 20.0
 MAX_ATTEMPTS = 3
@@ -146,10 +147,12 @@ class Entry:
                 for i, (peer, channel) in enumerate(hops):
                     nxt = hops[i + 1] if i + 1 < len(hops) else None
                     nursery.start_soon(self._pump, peer, channel, nxt, tokens_send)
-                history = ids + progress.tokens  # a replay after rerouting feeds back what was generated
                 self.progress = progress
-                token = await self._prefill(sid, epoch, history, hops, tokens_recv)
-                position = len(history)
+                token = await self._prefill(sid, epoch, ids, hops, tokens_recv)
+                position = len(ids)
+                if progress.tokens:  # a replay after rerouting feeds back what was generated
+                    token = await self._replay(sid, epoch, progress.tokens, position, hops, tokens_recv)
+                    position += len(progress.tokens)
                 while len(progress.tokens) < max_tokens:
                     if progress.first_token_at is None:
                         progress.first_token_at = time.perf_counter()
@@ -263,6 +266,29 @@ class Entry:
             token = await self._step(sid, epoch, 0, Phase.PREFILL, a, ids[a:b], hops, tokens_recv, (ci, len(spans)))
         assert token is not None
         return token
+
+    async def _replay(self, sid, epoch, tokens, position, hops, tokens_recv) -> int:
+        """Run the tokens generated before a reroute through the new route as the decode steps they
+        first were, one position a step: every hop then computes bit for bit what the lost route
+        computed (a prefill of the same positions would not: attention kernels round differently
+        for many queries than for one), and seeded sampling draws in the same order. Up to
+        REPLAY_WINDOW steps are in flight. Returns the token after the last one."""
+        outs: list[int] = []
+        sent = 0
+        for i, t in enumerate(tokens):
+            out = await self._local(token_frame(sid, epoch, i + 1, Phase.DECODE, position + i, [t], 0, 1))
+            if isinstance(out, Token):  # the entry holds the whole model
+                outs.append(out.token_id)
+                continue
+            await self._send(*hops[0], out)
+            sent += 1
+            while sent - len(outs) >= REPLAY_WINDOW:
+                outs.append(await self._next_token(tokens_recv, hops, STEP_TIMEOUT))
+        while len(outs) < len(tokens):
+            outs.append(await self._next_token(tokens_recv, hops, STEP_TIMEOUT))
+        if outs[:-1] != list(tokens[1:]):
+            log.warning("replay diverged from the first route", positions=len(tokens))
+        return outs[-1]
 
     async def _next_token(self, tokens_recv, hops, timeout: float) -> int:
         t0 = time.perf_counter()
