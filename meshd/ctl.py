@@ -82,6 +82,8 @@ def render_status(st: dict) -> str:
     lines = [f"peer      {st['peer_id']}", f"state     {st['state']}",
              f"model     {st['model']} ({(st.get('model_fingerprint') or '')[:12]}, recipe {st['recipe']})",
              f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)",
+             f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
+             f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating"]
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(f"peers     {len(st['peers'])}")

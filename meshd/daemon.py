@@ -35,7 +35,7 @@ from meshd.serve import ShardService
 from meshd.settings import Settings
 from meshd.shard.artifact import open_artifact
 from meshd.shard.endpoint import ShardEndpoint
-from meshd.shard.footprint import check_fits, layer_bytes, weight_bytes
+from meshd.shard.footprint import check_fits, layer_bytes, rss_bytes, weight_bytes
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
 
@@ -237,6 +237,7 @@ class Daemon:
             "throughput": round(self.throughput, 1),
             "load_s": round(self.shard.load_seconds, 2) if self.shard else None,
             "weight_bytes": self.shard.weight_bytes if self.shard else 0,
+            "rss_bytes": rss_bytes(),
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "compute_busy_s": round(self.compute.busy_s, 3),
