@@ -186,12 +186,12 @@ def worker_daemon(texts: list[str], n: int) -> dict:
         d = m.start("d", ["--layers", "0:30", "--recipe", "native"])
         st = d.wait_serving()
         out: dict = {"start_s": time.perf_counter() - t0, "load_s": st.get("load_s"),
-                     "rss_mb": rss_mb(d.proc.pid), "decode_tok_s": [], "tokens": []}
+                     "rss_mb": rss_mb(d.proc.pid), "decode_tok_s": [], "texts": []}
         for text in texts:
             r = ctl(d.socket, ["generate", "--max-tokens", str(n), "--ignore-eos", "--stats", text])
             stats = json.loads(r.stderr.strip().splitlines()[-1])
             out["decode_tok_s"].append(stats["decode_tok_per_s"])
-            out["tokens"].append(tok(r.stdout[:-1], add_special_tokens=False).input_ids)
+            out["texts"].append(r.stdout[:-1])
         long_text = tok.decode(prefill_ids())
         rates = []
         for _ in range(3):
@@ -286,7 +286,7 @@ def main() -> None:
         s["decode_x_llamacpp" if "llamacpp" in res else "decode_x_exact"] = s["decode_tok_s"] / base["decode_tok_s"]
     agree = {}
     for x, y in (("native", "exact"), ("llamacpp", "exact"), ("native", "llamacpp"), ("transformers", "exact"),
-                 ("native_split", "native"), ("daemon", "native")):
+                 ("native_split", "native")):
         if x in res and y in res:
             agree[f"{x}~{y}"] = agreement(res[x]["tokens"], res[y]["tokens"])
     forced = {}
@@ -299,6 +299,10 @@ def main() -> None:
     summary["greedy_agreement"], summary["teacher_forced_top1"] = agree, forced
     if "native_split" in res and "native" in res:
         summary["split_equals_one_process"] = res["native_split"]["tokens"] == res["native"]["tokens"]
+    if "daemon" in res and "native" in res:  # the daemon streams text: compare it with the same tokens' text
+        same = [tok.decode(t, skip_special_tokens=True) == d for t, d in zip(res["native"]["tokens"],
+                                                                          res["daemon"]["texts"])]
+        summary["daemon_text_equals_one_process"] = f"{sum(same)}/{len(same)}"
 
     print(f"SmolLM2-135M Q4_1, {len(prompts)} prompts x {n} greedy tokens, 2 threads, prefill {PREFILL} tokens")
     print(f"{'system':14} {'decode tok/s':>12} {'ratio':>7} {'prefill tok/s':>14} {'load s':>7} {'RSS MB':>7}")
@@ -312,6 +316,10 @@ def main() -> None:
               f"/{len(prompts)} prompts identical, mean common prefix {v['mean_prefix']:.1f}")
     for k, v in forced.items():
         print(f"teacher-forced top-1 {k:16} {v:.3f}")
+    if "split_equals_one_process" in summary:
+        print("native split in 3 equals one native process:", summary["split_equals_one_process"])
+    if "daemon_text_equals_one_process" in summary:
+        print("native daemon text equals one native process:", summary["daemon_text_equals_one_process"])
     print(json.dumps({"bench": "native", **summary}))
 
 
