@@ -35,7 +35,7 @@ from meshd.serve import ShardService
 from meshd.settings import Settings
 from meshd.shard.artifact import open_artifact
 from meshd.shard.endpoint import ShardEndpoint
-from meshd.shard.footprint import check_fits, layer_bytes, rss_bytes, weight_bytes
+from meshd.shard.footprint import check_fits, layer_bytes, rss_bytes, trim_heap, weight_bytes
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
 
@@ -177,6 +177,9 @@ class Daemon:
                 from meshd.shard.tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(self.artifact)
+            else:
+                self.artifact.forget_tokenizer()
+            trim_heap()
             return shard, tokenizer
 
         self.shard, self.tokenizer = await self.compute.run(load)

@@ -180,6 +180,13 @@ class Artifact:
         with safe_open(self._hf_index[name], framework="np") as f:
             return int(np.prod(f.get_slice(name).get_shape()))
 
+    def forget_tokenizer(self) -> None:
+        """Drop the GGUF's tokenizer arrays (about 10 MB of Python strings for a 49k vocabulary):
+        a daemon without layer 0 never tokenizes."""
+        if self._gguf is not None:
+            for key in [k for k in self._gguf.metadata if k.startswith("tokenizer.")]:
+                del self._gguf.metadata[key]
+
     @property
     def is_quantized(self) -> bool:
         """A GGUF file with block-quantized tensors (the case the native lane is for)."""
