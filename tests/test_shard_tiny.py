@@ -119,8 +119,8 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="'falcon'"):
         open_artifact(tmp_path / "f.gguf")
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
-    with pytest.raises(UnsupportedArchitecture, match="Qwen3MoeForCausalLM"):
+    (tmp_path / "hf" / "config.json").write_text('{"architectures": ["FalconForCausalLM"]}')
+    with pytest.raises(UnsupportedArchitecture, match="FalconForCausalLM"):
         open_artifact(tmp_path / "hf")
 
 
@@ -159,6 +159,28 @@ def test_llama_family_relatives_match_transformers(tmp_path, arch):
     model.save_pretrained(tmp_path / "hf")
     artifact = open_artifact(tmp_path / "hf")
     assert artifact.config.family == "llama" and artifact.config.attn_bias == (arch == "qwen2")
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 32)
+    tokens, logits = split_run(three_way(artifact), PROMPT, 32)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("source", ["hf", "tiny.gguf", "q8.gguf"])
+def test_qwen3_three_way_split_matches_transformers(tmp_path, moe, source):
+    """Per-head Q/K norms, head_dim != hidden / heads, and (MoE) top-2 of 4 experts with one plain MLP layer."""
+    model = tiny_models.tiny_qwen3(moe=moe, seed=7)
+    if source == "q8.gguf":  # the reference holds exactly the weights the quantized file stores
+        tiny_models.quantize_linear_weights(model)
+        tiny_models.write_qwen3_gguf(model, tmp_path / source, qtype=tiny_models.gguf.GGMLQuantizationType.Q8_0)
+    elif source == "tiny.gguf":
+        tiny_models.write_qwen3_gguf(model, tmp_path / source)
+    else:
+        model.save_pretrained(tmp_path / source)
+    artifact = open_artifact(tmp_path / source)
+    cfg = artifact.config
+    assert cfg.family == "qwen3" and cfg.head_dim == 32 and (cfg.n_experts == 4) == moe
+    assert [cfg.is_moe_layer(i) for i in range(6)] == ([True, False, True, True, True, True] if moe else [False] * 6)
     ref_tokens, ref_logits = reference_run(model, PROMPT, 32)
     tokens, logits = split_run(three_way(artifact), PROMPT, 32)
     assert tokens == ref_tokens

@@ -46,7 +46,7 @@ def quantize_linear_weights(model, qtype=gguf.GGMLQuantizationType.Q8_0) -> None
     holds exactly the weights a quantized GGUF file stores)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2 and ".layers." in name:
+            if p.dim() >= 2 and ".layers." in name:  # 3-D: experts stacked, quantized row by row
                 q = quantize(p.numpy().astype(np.float32), qtype)
                 p.copy_(torch.from_numpy(dequantize(q, qtype).reshape(p.shape)))
 
@@ -88,6 +88,86 @@ def write_llama_gguf(model, path: Path, qtype=None) -> Path:
         put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], True)
         put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], True)
         put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], True)
+    _finish(w)
+    return path
+
+
+def tiny_qwen3(moe: bool = False, tie: bool = False, seed: int = 0, vocab: int = VOCAB):
+    """A Qwen3 (or Qwen3-MoE: 4 experts, top-2, layer 1 a plain MLP) with head_dim != hidden / heads."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+    if not moe:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
+    else:
+        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # the per-head norms start at one: make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+            if moe and hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5)  # routers start at zero: make routing real
+    return model
+
+
+def write_qwen3_gguf(model, path: Path, qtype=None) -> Path:
+    """llama.cpp's `qwen3` / `qwen3moe` layout: Q/K rows unpermuted, experts stacked in 3-D tensors."""
+    c = model.config
+    moe = getattr(c, "num_experts", 0) > 0
+    arch = "qwen3moe" if moe else "qwen3"
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_bool(f"{arch}.expert_weights_norm", bool(c.norm_topk_prob))
+
+    def put(name, array, quantizable=False):
+        if qtype is not None and quantizable:
+            w.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+        put(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            put(f"blk.{i}.{ours}.weight", sd[f"{p}self_attn.{theirs}.weight"], True)
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gate_up, ff = sd[p + "mlp.experts.gate_up_proj"], c.moe_intermediate_size
+            put(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+            put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :ff], True)
+            put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, ff:], True)
+            put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], True)
+        else:
+            for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+                put(f"blk.{i}.{ours}.weight", sd[f"{p}mlp.{theirs}.weight"], True)
     _finish(w)
     return path
 

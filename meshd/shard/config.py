@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "qwen3": "qwen3",
+             "qwen3moe": "qwen3"}
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-            "GPT2LMHeadModel": "gpt2"}
+            "GPT2LMHeadModel": "gpt2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3"}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -35,6 +36,16 @@ class ModelConfig:
     attn_bias: bool = False
     bos_id: int | None = None
     eos_id: int | None = None
+    # mixture of experts (Qwen3-MoE): experts per MoE layer, how many a token uses, their FFN width
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    norm_topk: bool = True  # renormalise the chosen experts' weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers with a plain MLP although the model has experts
+    sparse_step: int = 1  # every sparse_step-th layer is a MoE layer
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i not in self.dense_layers and (i + 1) % self.sparse_step == 0
 
     @classmethod
     def from_gguf(cls, md: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
@@ -46,7 +57,7 @@ class ModelConfig:
         hidden = int(g("embedding_length"))
         vocab = g("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
         family = SUPPORTED[arch]
-        eps_key = "attention.layer_norm_rms_epsilon" if family == "llama" else "attention.layer_norm_epsilon"
+        eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
         if g("rope.scaling.type") not in (None, "none"):
             raise UnsupportedArchitecture(f"rope scaling {g('rope.scaling.type')!r} is not supported yet")
         return cls(
@@ -59,6 +70,11 @@ class ModelConfig:
             attn_bias="blk.0.attn_q.bias" in tensor_names or family == "gpt2",
             bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
             eos_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
+            n_experts=int(g("expert_count", 0)), experts_per_token=int(g("expert_used_count", 0)),
+            expert_ffn=int(g("expert_feed_forward_length", 0)), norm_topk=bool(g("expert_weights_norm", True)),
+            # which layers route to experts is read off the tensors (a router or not)
+            dense_layers=tuple(i for i in range(int(g("block_count"))) if g("expert_count")
+                               and f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
         )
 
     @classmethod
@@ -74,19 +90,25 @@ class ModelConfig:
                        norm_eps=c.get("layer_norm_epsilon", 1e-5), max_positions=c.get("n_positions", 1024),
                        tie_embeddings=c.get("tie_word_embeddings", True), attn_bias=True,
                        bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
+        if c.get("use_sliding_window"):
+            raise UnsupportedArchitecture("sliding-window attention is not supported yet")
         scaling = c.get("rope_scaling") or (c.get("rope_parameters") or {})
         if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
             raise UnsupportedArchitecture(f"rope scaling {scaling!r} is not supported yet")
         n_heads = c["num_attention_heads"]
         theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(arch=c.get("model_type", "llama"), family="llama", n_layers=c["num_hidden_layers"],
+        return cls(arch=c.get("model_type", "llama"), family=family, n_layers=c["num_hidden_layers"],
                    hidden=c["hidden_size"], n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, ffn=c["intermediate_size"],
                    vocab=c["vocab_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                    max_positions=c.get("max_position_embeddings", 2048),
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                    attn_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
-                   bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
+                   bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
+                   n_experts=c.get("num_experts") or c.get("num_local_experts") or 0,
+                   experts_per_token=c.get("num_experts_per_tok") or 0,
+                   expert_ffn=c.get("moe_intermediate_size") or 0, norm_topk=bool(c.get("norm_topk_prob", True)),
+                   dense_layers=tuple(c.get("mlp_only_layers") or ()), sparse_step=c.get("decoder_sparse_step") or 1)
 
 
 def _opt_int(v) -> int | None:

@@ -29,7 +29,8 @@ def _tensor_bytes(artifact, name: str, recipe, role: str) -> int:
         return 4 * n
     if recipe.weight_dtype == "int8":
         conv1d = artifact.kind == "hf" and (".attn.c_" in name or ".mlp.c_" in name)  # GPT-2's [in, out]
-        rows = artifact.tensor_shape(name)[-1 if conv1d else 0]
+        shape = artifact.tensor_shape(name)
+        rows = shape[-1] if conv1d else n // shape[-1]
         return n + rows * recipe.torch_compute.itemsize
     # stored: GGUF quantized tensors repack (or stay raw for a table); floats stay as stored
     if artifact.kind == "gguf":
@@ -43,9 +44,9 @@ def _tensor_bytes(artifact, name: str, recipe, role: str) -> int:
 
 
 def _globals(family, artifact) -> dict[str, str]:
-    if artifact.config.family == "llama":
-        return family.global_names(artifact.kind, artifact.config)
-    return family.global_names(artifact)
+    if artifact.config.family == "gpt2":
+        return family.global_names(artifact)
+    return family.global_names(artifact.kind, artifact.config)
 
 
 def layer_bytes(artifact, recipe, i: int) -> int:
@@ -54,7 +55,7 @@ def layer_bytes(artifact, recipe, i: int) -> int:
 
     family = FAMILIES[artifact.config.family]
     names = family.tensor_names(artifact.kind, artifact.config, i)
-    return sum(_tensor_bytes(artifact, n, recipe, "matrix" if len(artifact.tensor_shape(n)) == 2 else "vector")
+    return sum(_tensor_bytes(artifact, n, recipe, "matrix" if len(artifact.tensor_shape(n)) >= 2 else "vector")
                for n in names)
 
 

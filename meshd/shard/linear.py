@@ -135,6 +135,25 @@ def load_matrix(artifact, names: list[str], recipe, rows=None, transpose_hf: boo
     return make_weight(torch.from_numpy(np.ascontiguousarray(w)), recipe.weight_dtype, recipe.torch_compute)
 
 
+def load_expert_matrices(artifact, names: list[str], recipe) -> list[Weight]:
+    """Per expert, the row-concatenation of the named 3-D GGUF tensors [experts, out, in], each
+    read once and stored as the recipe says (one expert's rows never mix with another's)."""
+    if recipe.weight_dtype == "stored":
+        raws = [artifact.raw(n) for n in names]
+        n_experts = raws[0].shape[0]
+        per = []
+        for e in range(n_experts):
+            parts = []
+            for r in raws:
+                rows = r.data.shape[0] // n_experts
+                parts.append(quant.RawTensor(r.name, r.qtype, (rows, r.shape[-1]), r.data[e * rows:(e + 1) * rows]))
+            per.append(native_weight(parts, recipe.torch_matmul))
+        return per
+    arrays = [artifact.read(n) for n in names]
+    return [make_weight(torch.from_numpy(np.ascontiguousarray(np.concatenate([a[e] for a in arrays]))),
+                        recipe.weight_dtype, recipe.torch_compute) for e in range(arrays[0].shape[0])]
+
+
 def load_table(artifact, name: str, recipe):
     """An embedding table: float32 rows, or in the native lane the GGUF's own quantized rows."""
     if recipe.weight_dtype == "stored" and artifact.kind == "gguf":

@@ -194,7 +194,7 @@ def native_bytes(qtype: QT, shape: tuple[int, ...], act_itemsize: int = 2) -> in
     n = int(np.prod(shape)) if shape else 1
     if qtype not in (LOSSLESS | REQUANTIZED) or len(shape) < 2:
         return n // block * size
-    rows = -(-shape[0] // 16) * 16
+    rows = -(-(n // shape[-1]) // 16) * 16  # experts stacked in 3-D count as rows too
     cols = shape[-1] * (1 if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else 2)
     return rows * cols // 2 + (cols // GROUP) * rows * 2 * act_itemsize
 

@@ -15,13 +15,13 @@ from typing import Hashable
 import torch
 
 from meshd.log import get_logger
-from meshd.shard import gpt2, llama
+from meshd.shard import gpt2, llama, qwen3
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
 from meshd.shard.kv import KVStore
 from meshd.shard.recipe import EXACT, Recipe
 
-FAMILIES = {"llama": llama, "gpt2": gpt2}
+FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3}
 DEFAULT_KV_BUDGET = 1 << 30
 log = get_logger(__name__)
 
@@ -50,7 +50,7 @@ class Shard:
             if show:
                 print(file=sys.stderr)
             self.tail = self.family.load_tail(artifact, recipe, self.head) if self.is_tail else None
-            self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family == "llama" else None
+            self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family != "gpt2" else None
         trim_heap()
         self.load_seconds = time.perf_counter() - t0
         self._ranges: dict[Hashable, tuple[int, int]] = {}
