@@ -149,8 +149,9 @@ class Daemon:
         return start, end
 
     def _layer_bytes(self) -> int:
-        """Resident bytes of one layer under this recipe (the lane's real layout, e.g. packed int4)."""
-        return layer_bytes(self.artifact, self.recipe, self.artifact.config.n_layers // 2)
+        """Resident bytes of the largest layer under this recipe (the lane's real layout, e.g. packed
+        int4; a MoE layer's experts included, so a plain-MLP layer never sets the count)."""
+        return max(layer_bytes(self.artifact, self.recipe, i) for i in range(self.artifact.config.n_layers))
 
     def _live_fields(self) -> dict:
         """Record fields that change while serving: throughput (measured on real decode steps once

@@ -37,9 +37,15 @@ def test_tiny_quantized_gguf_native_follows_exact(tmp_path, qtype):
     assert float((e - n).abs().max()) < 0.08 * float(e.abs().max()), float((e - n).abs().max())
 
 
-def test_native_split_equals_one_process_exactly(tmp_path):
-    model = tiny_models.tiny_llama(seed=5)
-    art = open_artifact(tiny_models.write_llama_gguf(model, tmp_path / "m.gguf", qtype=QT.Q4_0))
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_native_split_equals_one_process_exactly(tmp_path, kind):
+    if kind == "llama":
+        art = open_artifact(tiny_models.write_llama_gguf(tiny_models.tiny_llama(seed=5), tmp_path / "m.gguf",
+                                                         qtype=QT.Q4_0))
+    else:
+        art = open_artifact(tiny_models.write_qwen3_gguf(tiny_models.tiny_qwen3(moe=True, seed=5),
+                                                         tmp_path / "m.gguf", qtype=QT.Q4_0))
+        assert art.is_quantized and art.config.n_experts == 4
     one_tokens, one_logits = split_run(shards(art, NATIVE, ()), PROMPT, 24)
     tokens, logits = split_run(shards(art, NATIVE, (1, 4)), PROMPT, 24)
     assert tokens == one_tokens
@@ -63,7 +69,11 @@ def test_footprint_before_loading_equals_what_a_shard_holds(tmp_path, recipe):
     model.save_pretrained(tmp_path / "hf")
     gpt2 = tiny_models.tiny_gpt2()
     gpt2.save_pretrained(tmp_path / "gpt2")
-    for art in (gguf_art, open_artifact(tmp_path / "hf"), open_artifact(tmp_path / "gpt2")):
+    moe = tiny_models.tiny_qwen3(moe=True)
+    moe.save_pretrained(tmp_path / "moe")
+    moe_gguf = tiny_models.write_qwen3_gguf(moe, tmp_path / "moe.gguf", qtype=QT.Q4_0)
+    for art in (gguf_art, open_artifact(tmp_path / "hf"), open_artifact(tmp_path / "gpt2"),
+                open_artifact(tmp_path / "moe"), open_artifact(moe_gguf)):
         for a, b in ((0, 2), (2, 4), (4, 6), (0, 6)):
             assert footprint.weight_bytes(art, recipe, a, b) == Shard(art, a, b, recipe).weight_bytes, (art.path, a, b)
 
@@ -161,3 +171,23 @@ def test_smollm2_native_memory_follows_the_file(smollm2):
         grown = rss_growth(a, b) - one
         owned = footprint.owned_artifact_bytes(smollm2, a, b) - block
         assert grown <= 1.3 * owned, (a, b, grown, owned)
+
+
+def test_moe_layer_bytes_count_every_expert_and_auto_takes_the_largest_layer(tmp_path):
+    from meshd.compute import ComputeExecutor
+    from meshd.daemon import Daemon
+    from meshd.settings import Settings
+
+    model = tiny_models.tiny_qwen3(moe=True)
+    art = open_artifact(tiny_models.write_qwen3_gguf(model, tmp_path / "m.gguf", qtype=QT.Q4_0))
+    moe = footprint.layer_bytes(art, NATIVE, 0)
+    names = [n for n in art.tensor_names() if n.startswith("blk.0.")]
+    assert any("exps" in n for n in names) and "blk.0.ffn_gate_inp.weight" in names
+    q4 = sum(art.stored_bytes(n) for n in names if art.tensor_qtype(n) == QT.Q4_0)
+    f32 = sum(art.stored_bytes(n) for n in names if art.tensor_qtype(n) == QT.F32)  # norms and the router
+    assert moe == q4 * 20 // 18 + f32  # Q4_0's 18 bytes a block become 16 of codes, a scale and a zero
+    held = Shard(art, 0, 1, NATIVE).weight_bytes - art.stored_bytes("token_embd.weight")  # the head holds the table
+    assert held == moe  # all four experts are held
+    d = Daemon(Settings(), ComputeExecutor())
+    d.artifact, d.recipe = art, NATIVE
+    assert d._layer_bytes() == moe

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from meshd.shard import llama
 from meshd.shard.config import ModelConfig
-from meshd.shard.linear import Weight, linear, load_expert_matrices, load_matrix
+from meshd.shard.linear import Weight, linear, load_expert_matrices, load_matrix, weight_tensors
 
 # shared with Llama: same names and math for these parts
 global_names, load_head, embed, load_tail, final = (llama.global_names, llama.load_head, llama.embed,
@@ -29,6 +29,9 @@ global_names, load_head, embed, load_tail, final = (llama.global_names, llama.lo
 class DenseMLP:
     w_gate_up: Weight
     w_down: Weight
+
+    def tensors(self) -> list[torch.Tensor]:
+        return weight_tensors(self.w_gate_up) + weight_tensors(self.w_down)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = linear(h, self.w_gate_up).chunk(2, dim=-1)
@@ -41,6 +44,9 @@ class MoE:
     experts: list[DenseMLP]
     top_k: int
     norm_topk: bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        return weight_tensors(self.router) + [t for e in self.experts for t in e.tensors()]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])

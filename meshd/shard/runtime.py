@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import Hashable
 
 import torch
@@ -20,6 +21,15 @@ from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
 from meshd.shard.kv import KVStore
 from meshd.shard.recipe import EXACT, Recipe
+
+@dataclass(frozen=True, slots=True)
+class Owns:
+    """Which of the model's parts outside its layers a shard holds."""
+
+    embedding: bool  # the head: takes token ids
+    final_norm: bool  # the tail: applies the final norm...
+    lm_head: bool  # ...and the LM head, and returns logits
+
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3}
 DEFAULT_KV_BUDGET = 1 << 30
@@ -67,6 +77,10 @@ class Shard:
     def is_tail(self) -> bool:
         return self.end == self.config.n_layers
 
+    @property
+    def owns(self) -> Owns:
+        return Owns(embedding=self.is_head, final_norm=self.is_tail, lm_head=self.is_tail)
+
     def tensors(self) -> list[torch.Tensor]:
         out = []
         for part in [self.head or {}, self.tail or {}, *[vars(layer) for layer in self.layers]]:
@@ -109,6 +123,18 @@ class Shard:
             raise ValueError(f"this shard serves layers [{self.start}, {self.end}), not [{start}, {end})")
         self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start)
         self._ranges[key] = (start, end)
+
+    def session_length(self, key: Hashable) -> int:
+        """Positions cached for this session (CacheMiss if it has no KV here)."""
+        return self.kv.get(key).length
+
+    def trim(self, key: Hashable, length: int) -> None:
+        """Forget this session's positions from `length` on (a rollback: rejected draft tokens, a
+        replay); the next forward must then start at `length`."""
+        kv = self.kv.get(key)
+        if not 0 <= length <= kv.length:
+            raise ValueError(f"cannot trim to {length}: the session holds {kv.length} positions")
+        kv.commit(length)
 
     def release(self, key: Hashable) -> bool:
         self._ranges.pop(key, None)
