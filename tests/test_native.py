@@ -191,3 +191,11 @@ def test_moe_layer_bytes_count_every_expert_and_auto_takes_the_largest_layer(tmp
     d = Daemon(Settings(), ComputeExecutor())
     d.artifact, d.recipe = art, NATIVE
     assert d._layer_bytes() == moe
+
+
+def test_a_gguf_without_a_tokenizer_is_refused_clearly_at_the_head(tmp_path):
+    from meshd.shard.artifact import ArtifactError
+
+    art = open_artifact(tiny_models.write_qwen3_gguf(tiny_models.tiny_qwen3(), tmp_path / "m.gguf"))
+    with pytest.raises(ArtifactError, match="carries no tokenizer"):
+        load_tokenizer(art)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from meshd.shard.artifact import Artifact, cache_dir
+from meshd.shard.artifact import Artifact, ArtifactError, cache_dir
 
 
 def load_tokenizer(artifact: Artifact):
@@ -23,6 +23,9 @@ def load_tokenizer(artifact: Artifact):
             return AutoTokenizer.from_pretrained(cached)
         except (OSError, ValueError):
             pass  # a damaged cache entry: rebuild it below
+    if "tokenizer.ggml.tokens" not in artifact.metadata:
+        raise ArtifactError(f"{artifact.name} carries no tokenizer (no tokenizer.ggml.* metadata);"
+                            " the shard holding layer 0 needs one")
     tok = AutoTokenizer.from_pretrained(artifact.path.parent, gguf_file=artifact.path.name)
     tmp = cached.with_name(cached.name + f".{os.getpid()}.tmp")
     tok.save_pretrained(tmp)
