@@ -185,3 +185,18 @@ def test_qwen3_three_way_split_matches_transformers(tmp_path, moe, source):
     tokens, logits = split_run(three_way(artifact), PROMPT, 32)
     assert tokens == ref_tokens
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("source", ["hf", "tiny.gguf"])
+def test_qwen3_with_tied_embeddings_matches_transformers(tmp_path, source):
+    model = tiny_models.tiny_qwen3(tie=True, seed=8)
+    if source == "hf":
+        model.save_pretrained(tmp_path / source)
+    else:
+        tiny_models.write_qwen3_gguf(model, tmp_path / source)
+    artifact = open_artifact(tmp_path / source)
+    assert artifact.config.tie_embeddings
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 16)
+    tokens, logits = split_run(three_way(artifact, (1, 5)), PROMPT, 16)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
