@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--socket", help="control socket path")
     join.add_argument("--recipe", choices=RECIPE_CHOICES,
                       help="auto (default: native for a quantized GGUF, else exact), native, exact or compact")
+    join.add_argument("--http", help="serve the OpenAI-compatible API and /metrics on HOST:PORT (off by default;"
+                                     " 127.0.0.1:8080 keeps it on this machine)")
+    join.add_argument("--http-token", help="bearer token HTTP clients must send")
+    join.add_argument("--http-token-file", help="file holding the bearer token")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             from meshd.settings import load_settings
 
             flags = {k: getattr(args, k) for k in ("bootstrap", "model", "layers", "num_layers", "memory", "listen",
-                                                    "state_dir", "socket", "recipe")}
+                                                    "state_dir", "socket", "recipe", "http", "http_token",
+                                                    "http_token_file")}
             return run_daemon(load_settings(flags, args.config))
         if args.command == "demo":
             from meshd.demo import run_demo

@@ -82,7 +82,7 @@ class ControlServer:
 
     async def serve_remote_generate(self, stream) -> None:
         """/meshd/gen/1.0.0: another daemon forwards its client's request to this entry."""
-        channel = Channel.over_libp2p(stream)
+        channel = Channel.over_libp2p(stream, str(GEN_PROTOCOL))
         try:
             msg = await channel.receive(REQUEST_TIMEOUT)
             if isinstance(msg, GenerateRequest):
@@ -102,7 +102,7 @@ class ControlServer:
             if watch_client:
                 nursery.start_soon(self._watch, channel, nursery.cancel_scope)
             try:
-                stats = await self._generate(req, emit)
+                stats = await self.generate(req, emit)
                 await channel.send(StreamEvent(request_id=req.request_id, kind="done", stats=stats))
             except GenerationError as exc:
                 await channel.send(error_event(req.request_id, exc.code, str(exc)))
@@ -118,6 +118,11 @@ class ControlServer:
         except (ChannelClosed, WireError, trio.TooSlowError):
             log.info("client disconnected")
             scope.cancel()
+
+    async def generate(self, req: GenerateRequest, emit) -> dict:
+        """Run this daemon's part of one generation, or forward it to an entry; counted in metrics.
+        Every front door (this socket, forwarded requests, HTTP) comes through here."""
+        return await self.daemon.metrics.observe_generation(self._generate, req, emit)
 
     async def _generate(self, req: GenerateRequest, emit) -> dict:
         d = self.daemon
@@ -142,7 +147,7 @@ class ControlServer:
                 stream = await d.host.new_stream(ID.from_base58(entry.peer_id), [GEN_PROTOCOL])
         except Exception as exc:
             raise GenerationError(ErrorCode.HOP_FAILED, f"entry {entry.peer_id[-8:]} unreachable: {exc}") from None
-        remote = Channel.over_libp2p(stream)
+        remote = Channel.over_libp2p(stream, str(GEN_PROTOCOL))
         try:
             await remote.send(req)
             while True:

@@ -22,6 +22,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
+from meshd.api.http import HttpApi, check_bind, serve_http
 from meshd.compute import ComputeExecutor
 from meshd.control import ControlServer
 from meshd.dht.coverage import choose_range
@@ -30,6 +31,7 @@ from meshd.dht.validator import CoverageValidator
 from meshd.gen import GEN_PROTOCOL, SHARD_PROTOCOL, Entry
 from meshd.log import get_logger
 from meshd.mesh import MeshView
+from meshd.metrics import Metrics
 from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
 from meshd.serve import ShardService
 from meshd.settings import Settings
@@ -58,6 +60,8 @@ class Daemon:
         self.active_generations = 0
         self.throughput = 0.0  # layer-steps per second, measured once loaded
         self.artifact = self.recipe = None
+        self.metrics = Metrics(self)
+        self.http_addrs: list[str] = []
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.stop_requested = trio.Event()
@@ -85,6 +89,10 @@ class Daemon:
                 self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl)
                 control = ControlServer(self, s.socket_path)
                 await nursery.start(control.serve)
+                if s.http:
+                    app = HttpApi(self, control.generate, self.metrics, s.bearer_token())
+                    self.http_addrs = await nursery.start(serve_http, app, check_bind(s.http))
+                    log.info("http api up", addrs=self.http_addrs, token=bool(app.token))
                 log.info("daemon up", peer_id=pid, addrs=full_addrs(host), socket=str(s.socket_path))
                 if s.bootstrap:
                     reached = await self.mesh.connect_bootstrap(s.bootstrap)
@@ -186,6 +194,7 @@ class Daemon:
         self.shard, self.tokenizer = await self.compute.run(load)
         self.service = ShardService(ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp),
                                     self.compute)
+        self.service.on_step = self.metrics.step.observe
         self.throughput = await self.compute.run(self._measure_throughput)
         if self.shard.is_head:
             self.entry = Entry(self)
@@ -242,6 +251,7 @@ class Daemon:
             "load_s": round(self.shard.load_seconds, 2) if self.shard else None,
             "weight_bytes": self.shard.weight_bytes if self.shard else 0,
             "rss_bytes": rss_bytes(),
+            "http": self.http_addrs,
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "compute_busy_s": round(self.compute.busy_s, 3),

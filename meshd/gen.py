@@ -11,6 +11,7 @@ the KV on every hop.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.routing.plan import NoRoute, Route, plan_route
 from meshd.shard.endpoint import token_frame
-from meshd.shard.tokenizer import TextStream, encode_prompt
+from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
 from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Message, OpenSession, Opened, Phase,
                         StreamEvent, Token, WireError, chunk_spans)
 
@@ -60,6 +61,7 @@ class Progress:
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
     step_s: float | None = None  # moving average of a decode step's wait, for its deadline
+    emitted: bool = False  # some text has reached the client
 
     def decode_deadline(self) -> float:
         """A silently dead hop is noticed within this many seconds (TCP alone takes 30 s and more)."""
@@ -89,7 +91,11 @@ class Entry:
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         d = self.daemon
-        ids = encode_prompt(d.tokenizer, req.prompt, req.chat)
+        try:
+            ids = (encode_messages(d.tokenizer, json.loads(req.messages)) if req.messages
+                   else encode_prompt(d.tokenizer, req.prompt, req.chat))
+        except (ValueError, TypeError, KeyError) as exc:  # a bad conversation, or no chat template
+            raise GenerationError(ErrorCode.BAD_FRAME, f"cannot encode the prompt: {exc}") from None
         eos = set() if req.ignore_eos else {i for i in (d.artifact.config.eos_id, d.tokenizer.eos_token_id)
                                               if i is not None}
         limit = d.artifact.config.max_positions - len(ids)
@@ -158,8 +164,11 @@ class Entry:
                         progress.first_token_at = time.perf_counter()
                     progress.tokens.append(token)
                     piece = text.push(token)
-                    if piece:
-                        await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token))
+                    if piece:  # the first text also says how long the prompt was (for usage counts)
+                        first = {"prompt_tokens": len(ids)} if not progress.emitted else {}
+                        progress.emitted = True
+                        await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token,
+                                               stats=first))
                     if token in eos or len(progress.tokens) >= max_tokens:
                         break
                     token = await self._step(sid, epoch, len(progress.tokens), Phase.DECODE, position, [token],
@@ -196,7 +205,7 @@ class Entry:
             with trio.fail_after(OPEN_TIMEOUT):
                 await d.ensure_connected(hop.peer_id, hop.addrs)
                 stream = await d.host.new_stream(ID.from_base58(hop.peer_id), [SHARD_PROTOCOL])
-                channel = Channel.over_libp2p(stream)
+                channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
                 await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length))
                 reply = await channel.receive(OPEN_TIMEOUT)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:

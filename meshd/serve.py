@@ -12,6 +12,7 @@ import time
 import trio
 
 from meshd.compute import ComputeExecutor
+from meshd.gen import SHARD_PROTOCOL
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.endpoint import ShardEndpoint
@@ -28,6 +29,7 @@ class ShardService:
         self.compute = compute
         self.compute_s = 0.0  # time spent in tensor work, for status and benchmarks
         self.steps = 0
+        self.on_step = None  # called with each step's compute seconds (metrics)
         self.decode_layer_rate: float | None = None  # moving average of layer-steps/s on real decode steps
 
     async def handle(self, msg: Message) -> list[Message]:
@@ -41,6 +43,8 @@ class ShardService:
             took = time.perf_counter() - t0
             self.compute_s += took
             self.steps += 1
+            if self.on_step is not None:
+                self.on_step(took)
             if getattr(msg, "phase", None) == Phase.DECODE and took > 0:
                 rate = (self.endpoint.shard.end - self.endpoint.shard.start) / took
                 old = self.decode_layer_rate
@@ -52,7 +56,7 @@ class ShardService:
 
     async def serve_stream(self, stream) -> None:
         """The /meshd/shard/1.0.0 handler: serve frames until the stream ends."""
-        channel = Channel.over_libp2p(stream)
+        channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
         opened: set[tuple[bytes, int]] = set()
         try:
             while True:

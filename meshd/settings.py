@@ -42,6 +42,9 @@ class Settings:
     state_dir: str = ""
     socket: str = ""
     recipe: str = "auto"
+    http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
+    http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
+    http_token_file: str = ""
     record_ttl: float = 10.0
     kv_budget: int = 1 << 30
 
@@ -52,6 +55,14 @@ class Settings:
     @property
     def socket_path(self) -> Path:
         return Path(self.socket) if self.socket else default_socket(self.state_path)
+
+    def bearer_token(self) -> str:
+        """The HTTP API's token: --http-token, else the first line of --http-token-file, else none."""
+        if self.http_token:
+            return self.http_token
+        if self.http_token_file:
+            return Path(self.http_token_file).read_text().strip()
+        return ""
 
     def parse_layers(self, n_layers: int) -> tuple[int, int] | None:
         """(start, end) for an explicit "A:B", None for "auto"."""

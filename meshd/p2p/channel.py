@@ -7,11 +7,14 @@ Every receive takes a deadline.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import trio
 
 from meshd.wire import Decoder, Message, encode
 
 READ_SIZE = 1 << 16
+TRAFFIC: Counter = Counter()  # (protocol, "sent" | "received") -> bytes, for this process's metrics
 
 
 class ChannelClosed(ConnectionError):
@@ -19,25 +22,27 @@ class ChannelClosed(ConnectionError):
 
 
 class Channel:
-    def __init__(self, read, write, close) -> None:
+    def __init__(self, read, write, close, protocol: str = "") -> None:
         self._read, self._write, self._close = read, write, close
+        self.protocol = protocol
         self._decoder = Decoder()
         self._pending: list[Message] = []
         self._send_lock = trio.Lock()
 
     @classmethod
-    def over_libp2p(cls, stream) -> "Channel":
-        return cls(stream.read, stream.write, stream.close)
+    def over_libp2p(cls, stream, protocol: str = "libp2p") -> "Channel":
+        return cls(stream.read, stream.write, stream.close, protocol)
 
     @classmethod
-    def over_trio(cls, stream: trio.abc.Stream) -> "Channel":
-        return cls(stream.receive_some, stream.send_all, stream.aclose)
+    def over_trio(cls, stream: trio.abc.Stream, protocol: str = "control") -> "Channel":
+        return cls(stream.receive_some, stream.send_all, stream.aclose, protocol)
 
     async def send(self, msg: Message) -> None:
         data = encode(msg)
         try:
             async with self._send_lock:
                 await self._write(data)
+            TRAFFIC[self.protocol, "sent"] += len(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise ChannelClosed(f"send failed: {exc}") from None
         except Exception as exc:  # libp2p raises its own stream errors (StreamReset, StreamClosed, ...)
@@ -57,6 +62,7 @@ class Channel:
                     if type(exc).__module__.startswith("libp2p"):
                         raise ChannelClosed(f"stream ended: {type(exc).__name__}") from None
                     raise
+                TRAFFIC[self.protocol, "received"] += len(data)
                 if not data:
                     self._decoder.close()  # raises TruncatedFrame if a frame was cut short
                     raise ChannelClosed("end of stream")

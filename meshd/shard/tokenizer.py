@@ -39,12 +39,18 @@ def load_tokenizer(artifact: Artifact):
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """Token ids for a prompt; with `chat`, wrapped in the model's chat template as a user turn."""
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt).input_ids)
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids for a conversation in the model's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; send a plain prompt")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 class TextStream:

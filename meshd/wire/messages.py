@@ -216,6 +216,7 @@ class GenerateRequest(Message):
     seed: int = 0
     chat: bool = False
     ignore_eos: bool = False
+    messages: str = ""  # a whole conversation as JSON ([{"role", "content"}, ...]); replaces `prompt`
 
 
 @message(MsgType.STATUS)

@@ -1,0 +1,1 @@
+"""Front doors: the OpenAI-compatible HTTP API (`http`) and its request and answer shapes (`openai`)."""

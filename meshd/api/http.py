@@ -1,0 +1,215 @@
+"""The daemon's HTTP front door: an OpenAI-compatible API, health and Prometheus metrics.
+
+Rules: served by hypercorn inside the daemon's own trio loop (no second process, no thread per
+request), as a bare ASGI app; every generation goes through the same `generate` as the control
+socket, so forwarding to a remote entry, rerouting and KV release behave alike. A client that
+disconnects cancels its generation. With a token set, every route but /healthz needs
+`Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import itertools
+import json
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from meshd.api import openai
+from meshd.gen import GenerationError
+from meshd.log import get_logger
+from meshd.wire import StreamEvent
+
+MAX_BODY = 1 << 20
+log = get_logger(__name__)
+
+
+class Stopped(Exception):
+    """A stop sequence ended the answer: the generation is cancelled, the answer is complete."""
+
+    ends_generation_normally = True
+
+
+class HttpApi:
+    def __init__(self, daemon, generate, metrics, token: str = "") -> None:
+        """`generate(request, emit) -> stats` runs or forwards one generation (the control server's)."""
+        self.daemon, self.generate, self.metrics, self.token = daemon, generate, metrics, token
+        self._ids = itertools.count(1)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        if path != "/healthz" and self.token and not self._authorized(scope):
+            return await self._json(send, 401, openai.error_body("missing or wrong bearer token",
+                                                                 "authentication_error", "invalid_api_key"))
+        if method == "GET" and path == "/healthz":
+            serving = self.daemon.state == "serving"
+            return await self._json(send, 200 if serving else 503, {"status": "ok" if serving else self.daemon.state})
+        if method == "GET" and path == "/metrics":
+            body, ctype = self.metrics.exposition()
+            return await self._send(send, 200, body, ctype)
+        if method == "GET" and path == "/v1/models":
+            return await self._json(send, 200, self._models())
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            return await self._complete(receive, send, chat=path.endswith("chat/completions"))
+        await self._json(send, 404, openai.error_body(f"no route {method} {path}", "invalid_request_error"))
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                return hmac.compare_digest(value, b"Bearer " + self.token.encode())
+        return False
+
+    def _models(self) -> dict:
+        st = self.daemon.status()
+        return {"object": "list", "data": [{
+            "id": st["model"], "object": "model", "created": int(self.daemon.started_at), "owned_by": "meshd",
+            "meshd": {"route_complete": st["complete"], "uncovered": st["gaps"], "n_layers": st["n_layers"],
+                      "recipe": st["recipe"]}}]}
+
+    async def _complete(self, receive, send, chat: bool) -> None:
+        d = self.daemon
+        try:
+            body = await self._body(receive)
+            c = openai.parse_request(body, chat, d.artifact.name, d.artifact.config.max_positions,
+                                     next(self._ids))
+        except openai.BadRequest as exc:
+            return await self._json(send, 400, openai.error_body(str(exc), "invalid_request_error"))
+        gaps = d.mesh.coverage.serving().gaps() if d.mesh else []
+        if gaps:
+            where = ", ".join(f"[{a}, {b})" for a, b in gaps)
+            return await self._json(send, 503, openai.error_body(f"no route: layers {where} are not served by any"
+                                                                 " live daemon", "service_unavailable", "no_route"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+            if c.stream:
+                await self._stream(c, send)
+            else:
+                await self._whole(c, send)
+            nursery.cancel_scope.cancel()
+
+    async def _watch_disconnect(self, receive, scope: trio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        log.info("http client disconnected; generation cancelled")
+        scope.cancel()
+
+    async def _run(self, c: openai.Completion, on_text) -> tuple[dict, bool]:
+        """Generate, passing stop-cut text to on_text; returns (stats, stopped by a stop sequence)."""
+        scanner = openai.StopScanner(c.stop)
+        stats: dict = {"tokens": 0}
+
+        async def emit(event: StreamEvent) -> None:
+            stats["tokens"] += 1
+            if "prompt_tokens" in event.stats:
+                stats["prompt_tokens"] = event.stats["prompt_tokens"]
+            piece = scanner.push(event.text)
+            if piece:
+                await on_text(piece)
+            if scanner.stopped:
+                raise Stopped
+
+        try:
+            stats = await self.generate(c.request, emit)
+        except BaseException as exc:  # a stop sequence may come back wrapped in the entry's task groups
+            if not _is_stop(exc):
+                raise
+        rest = scanner.flush()
+        if rest:
+            await on_text(rest)
+        return stats, scanner.stopped
+
+    async def _whole(self, c: openai.Completion, send) -> None:
+        parts: list[str] = []
+
+        async def collect(piece: str) -> None:
+            parts.append(piece)
+
+        try:
+            stats, stopped = await self._run(c, collect)
+        except GenerationError as exc:
+            return await self._json(send, *self._error(exc))
+        reason = openai.finish_reason(stopped, stats.get("tokens", 0), c.request.max_tokens)
+        await self._json(send, 200, openai.answer(c, "".join(parts), reason, stats))
+
+    async def _stream(self, c: openai.Completion, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+
+        async def event(obj) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+        if c.chat:
+            await event(openai.chunk(c, "") | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                            "finish_reason": None}]})
+        try:
+            stats, stopped = await self._run(c, lambda piece: event(openai.chunk(c, piece)))
+            reason = openai.finish_reason(stopped, stats.get("tokens", 0), c.request.max_tokens)
+            await event(openai.chunk(c, None, reason, stats))
+        except GenerationError as exc:
+            status, body = self._error(exc)
+            await event(body)
+        await event("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    def _error(exc: GenerationError) -> tuple[int, dict]:
+        status = openai.HTTP_STATUS.get(exc.code, 500)
+        kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(status,
+                                                                                                       "server_error")
+        return status, openai.error_body(str(exc), kind, str(exc.code))
+
+    @staticmethod
+    async def _body(receive) -> bytes:
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if len(body) > MAX_BODY:
+                raise openai.BadRequest(f"the body exceeds {MAX_BODY} bytes")
+            if not msg.get("more_body"):
+                return body
+
+    async def _json(self, send, status: int, obj) -> None:
+        await self._send(send, status, json.dumps(obj).encode(), "application/json")
+
+    @staticmethod
+    async def _send(send, status: int, body: bytes, ctype: str) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _is_stop(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_is_stop(e) for e in exc.exceptions)
+    return isinstance(exc, Stopped)
+
+
+async def serve_http(app: HttpApi, bind: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on `bind` ("host:port") until cancelled; task_status gets the bound addresses."""
+    config = Config()
+    config.bind = [bind]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("meshd.http")  # an app error reaches the daemon's log
+    config.graceful_timeout = 1.0
+    await serve(app, config, task_status=task_status)
+
+
+def check_bind(bind: str) -> str:
+    """A "host:port" to serve on; refuses what is not one."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--http wants HOST:PORT (e.g. 127.0.0.1:8080), not {bind!r}")
+    return bind
+

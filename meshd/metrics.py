@@ -1,0 +1,101 @@
+"""A daemon's Prometheus metrics: events counted as they happen, live state read at each scrape.
+
+Rules: one registry per daemon (never the process-global one, so tests can run several); names
+follow Prometheus conventions (`meshd_..._total`, `_seconds`, `_bytes`); gauges that mirror state
+(sessions, KV, peers, coverage, traffic) are computed from `daemon.status()` when scraped, so they
+cannot drift from what `meshctl status` shows.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from meshd.p2p.channel import TRAFFIC
+from meshd.wire import ErrorCode, StreamEvent
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    def __init__(self, daemon) -> None:
+        r = self.registry = CollectorRegistry()
+        self.started = Counter("meshd_generations_started", "Generations asked of this daemon", registry=r)
+        self.finished = Counter("meshd_generations_finished", "Generations that ended normally", registry=r)
+        self.failed = Counter("meshd_generations_failed", "Generations that failed, by reason", ["reason"],
+                              registry=r)
+        self.tokens = Counter("meshd_tokens_generated", "Tokens generated", registry=r)
+        self.ttft = Histogram("meshd_time_to_first_token_seconds", "Time to the first streamed text",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.token_latency = Histogram("meshd_token_latency_seconds", "Time between streamed tokens",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.step = Histogram("meshd_compute_step_seconds", "Tensor work per step of this daemon's layers",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.hop_failures = Counter("meshd_hop_failures", "Hops that failed under a generation", registry=r)
+        self.reroutes = Counter("meshd_reroutes", "Generations moved to a new route", registry=r)
+        r.register(_Live(daemon))
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    async def observe_generation(self, run, req, emit) -> dict:
+        """Run `run(req, emit)` (one generation), counting it and timing its stream."""
+        self.started.inc()
+        t0, last = time.perf_counter(), None
+
+        async def timed(event: StreamEvent) -> None:
+            nonlocal last
+            if event.kind == "text":
+                now = time.perf_counter()
+                (self.ttft if last is None else self.token_latency).observe(now - (t0 if last is None else last))
+                last = now
+            await emit(event)
+
+        try:
+            stats = await run(req, timed)
+        except BaseException as exc:
+            if _ended_normally(exc):  # e.g. the HTTP API cut the answer at a stop sequence
+                self.finished.inc()
+                raise
+            code = getattr(exc, "code", None)
+            self.failed.labels(str(code) if code else "cancelled").inc()
+            if code == ErrorCode.HOP_FAILED:
+                self.hop_failures.inc()
+            raise
+        self.finished.inc()
+        self.tokens.inc(stats.get("tokens", 0))
+        self.reroutes.inc(stats.get("reroutes", 0))
+        self.hop_failures.inc(stats.get("reroutes", 0))
+        return stats
+
+
+def _ended_normally(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_ended_normally(e) for e in exc.exceptions)
+    return getattr(exc, "ends_generation_normally", False)
+
+
+class _Live:
+    """Gauges read from the daemon at scrape time."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self):
+        st = self.daemon.status()
+        gauges = {"meshd_sessions_open": ("Sessions holding KV here", st["sessions"]),
+                  "meshd_kv_bytes": ("Bytes of KV held", st["kv_bytes"]),
+                  "meshd_weight_bytes": ("Bytes of weights held", st.get("weight_bytes", 0)),
+                  "meshd_resident_bytes": ("Resident memory of the process", st.get("rss_bytes", 0)),
+                  "meshd_peers_known": ("Live records of other daemons", len(st["peers"])),
+                  "meshd_layers_uncovered": ("Layers no live daemon serves", sum(b - a for a, b in st["gaps"])),
+                  "meshd_generations_active": ("Generations running now", st["generations"])}
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        traffic = CounterMetricFamily("meshd_stream_bytes", "Bytes on meshd streams, by protocol and direction",
+                                      labels=["protocol", "direction"])
+        for (protocol, direction), n in sorted(TRAFFIC.items()):
+            traffic.add_metric([protocol, direction], n)
+        yield traffic

@@ -1,0 +1,109 @@
+"""The OpenAI-compatible HTTP API of real daemons, used through the official `openai` package."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshd.localmesh import Mesh, ctl
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret-token"
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """Three daemons; the entry serves HTTP openly, the middle one (no layer 0) behind a token."""
+    m = Mesh()
+    try:
+        a = m.start("a", ["--layers", "0:10", "--http", "127.0.0.1:0"])
+        boot = a.wait_serving()["addrs"][0]
+        b = m.start("b", ["--layers", "10:20", "--bootstrap", boot, "--http", "127.0.0.1:0", "--http-token", TOKEN])
+        c = m.start("c", ["--layers", "20:30", "--bootstrap", boot])
+        for d in (a, b, c):
+            d.wait_for(lambda s: s["state"] == "serving" and s["complete"], what="complete coverage")
+        yield m, a, b, c
+    finally:
+        m.close()
+
+
+def client(daemon, key="none"):
+    return openai.OpenAI(base_url=daemon.status()["http"][0] + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def metrics(daemon) -> dict:
+    text = httpx.get(daemon.status()["http"][0] + "/metrics", timeout=10).text
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_chat_completion_equals_meshctl_and_streams_the_same_text(mesh):
+    m, a, b, c = mesh
+    expected = ctl(a.socket, ["generate", "--chat", "--max-tokens", "24", PROMPT]).stdout[:-1]
+    before = metrics(a)
+    api = client(a)
+    models = api.models.list().data
+    assert [x.id for x in models] == [a.status()["model"]]
+    whole = api.chat.completions.create(model=models[0].id, messages=[{"role": "user", "content": PROMPT}],
+                                        max_tokens=24, temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.completion_tokens >= 1 and whole.usage.prompt_tokens > 5
+    pieces = [ch.choices[0].delta.content or "" for ch in api.chat.completions.create(
+        model=models[0].id, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0,
+        stream=True)]
+    assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected
+    after = metrics(a)
+    assert after["meshd_generations_finished_total{}"] >= before["meshd_generations_finished_total{}"] + 2
+    assert after["meshd_tokens_generated_total{}"] > before["meshd_tokens_generated_total{}"]
+    assert after["meshd_time_to_first_token_seconds_count{}"] >= 2
+    assert after['meshd_stream_bytes_total{"direction": "sent", "protocol": "/meshd/shard/1.0.0"}'] > 0
+
+
+def test_a_daemon_without_layer_0_serves_too_behind_its_token(mesh):
+    m, a, b, c = mesh
+    with pytest.raises(openai.AuthenticationError):
+        client(b).completions.create(model=a.status()["model"], prompt="Water boils at", max_tokens=4)
+    out = client(b, TOKEN).completions.create(model=a.status()["model"], prompt="The capital of France is",
+                                              max_tokens=16, temperature=0, stop=["."])
+    assert out.choices[0].text and "." not in out.choices[0].text and out.choices[0].finish_reason == "stop"
+    assert httpx.get(b.status()["http"][0] + "/healthz").status_code == 200  # health needs no token
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"{oops", "not valid JSON"),
+    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}).encode(), "not served here"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}).encode(), "max_tokens"),
+])
+def test_bad_requests_get_400_with_a_message(mesh, body, message):
+    m, a, b, c = mesh
+    r = httpx.post(a.status()["http"][0] + "/v1/chat/completions", content=body, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_a_streaming_client_that_disconnects_leaves_no_kv_on_any_hop(mesh):
+    m, a, b, c = mesh
+    body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", a.status()["http"][0] + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert sum(d.status()["sessions"] for d in (a, b, c)) > 0  # mid-answer: KV held on the hops
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sum(d.status()["sessions"] for d in (a, b, c)):
+        time.sleep(0.2)
+    assert [d.status()["sessions"] for d in (a, b, c)] == [0, 0, 0]
+
+
+def test_an_uncovered_layer_gets_503_naming_it(mesh):
+    """Last: it stops the tail."""
+    m, a, b, c = mesh
+    assert c.terminate() == 0
+    a.wait_for(lambda s: s["gaps"] == [[20, 30]], timeout=30, what="the gap")
+    r = httpx.post(a.status()["http"][0] + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and "[20, 30)" in r.json()["error"]["message"]
+    assert client(a).models.list().data[0].model_extra["meshd"]["route_complete"] is False
