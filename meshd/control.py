@@ -14,6 +14,7 @@ import os
 import socket as stdlib_socket
 from pathlib import Path
 
+import structlog
 import trio
 from libp2p.peer.id import ID
 
@@ -98,25 +99,30 @@ class ControlServer:
         async def emit(event: StreamEvent) -> None:
             await channel.send(event)
 
-        async with trio.open_nursery() as nursery:
-            if watch_client:
-                nursery.start_soon(self._watch, channel, nursery.cancel_scope)
-            try:
-                stats = await self.generate(req, emit)
-                await channel.send(StreamEvent(request_id=req.request_id, kind="done", stats=stats))
-            except GenerationError as exc:
-                await channel.send(error_event(req.request_id, exc.code, str(exc)))
-            except ChannelClosed:
-                log.info("client went away; generation cancelled", request_id=req.request_id)
-            nursery.cancel_scope.cancel()
+        answered = trio.Event()  # after the last frame, the client closing is the normal end
+        with structlog.contextvars.bound_contextvars(request_id=req.request_id):
+            async with trio.open_nursery() as nursery:
+                if watch_client:
+                    nursery.start_soon(self._watch, channel, nursery.cancel_scope, answered)
+                try:
+                    stats = await self.generate(req, emit)
+                    answered.set()
+                    await channel.send(StreamEvent(request_id=req.request_id, kind="done", stats=stats))
+                except GenerationError as exc:
+                    answered.set()
+                    await channel.send(error_event(req.request_id, exc.code, str(exc)))
+                except ChannelClosed:
+                    log.info("client went away; generation cancelled")
+                nursery.cancel_scope.cancel()
 
-    async def _watch(self, channel: Channel, scope: trio.CancelScope) -> None:
-        """Cancel the generation when the client's side of the stream ends."""
+    async def _watch(self, channel: Channel, scope: trio.CancelScope, answered: trio.Event) -> None:
+        """Cancel the generation when the client's side of the stream ends before its answer."""
         try:
             while True:
                 await channel.receive(1e9)
         except (ChannelClosed, WireError, trio.TooSlowError):
-            log.info("client disconnected")
+            if not answered.is_set():
+                log.info("client disconnected; generation cancelled")
             scope.cancel()
 
     async def generate(self, req: GenerateRequest, emit) -> dict:

@@ -3,10 +3,13 @@
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
             [--seed S] [--chat] [--stats] [--ignore-eos] PROMPT
+    meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
 
 Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
 Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
 5 generation failed (a hop failed, the mesh is busy, ...).
+Rule: the client is a plain blocking socket and `meshd.wire` (no trio, libp2p or torch), so it
+starts at once; every request carries its own random id, which the daemons log on every hop.
 """
 
 from __future__ import annotations
@@ -14,21 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket as stdlib_socket
 import sys
 from pathlib import Path
 
-import trio
-
-from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.settings import default_socket, default_state_dir
-from meshd.wire import GenerateRequest, StatusRequest, WireError
+from meshd.wire import Decoder, GenerateRequest, StatusRequest, WireError, encode
 
 EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED = 3, 4, 5
 
 
 class DaemonUnreachable(Exception):
     pass
+
+
+class DaemonSilent(Exception):
+    """The daemon closed the connection or sent nothing in time."""
 
 
 def socket_path(arg: str | None) -> Path:
@@ -39,28 +44,56 @@ def socket_path(arg: str | None) -> Path:
     return default_socket(Path(os.environ.get("MESHD_STATE_DIR") or default_state_dir()))
 
 
-async def open_channel(path: Path) -> Channel:
-    try:
-        stream = await trio.open_unix_socket(str(path))
-    except FileNotFoundError:
-        raise DaemonUnreachable(f"no daemon socket at {path}: is meshd running? (start it with `meshd join`)")
-    except PermissionError:
-        raise DaemonUnreachable(f"permission denied on {path}: run meshctl as the daemon's user")
-    except ConnectionRefusedError:
-        raise DaemonUnreachable(f"nothing listens on {path}: the daemon is not running (stale socket)")
-    except OSError as exc:
-        raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}")
-    return Channel.over_trio(stream)
+def new_request_id() -> int:
+    """A random id (53 bits, so it survives any JSON) that follows the request across daemons."""
+    return random.SystemRandom().getrandbits(53) or 1
 
 
-async def fetch_status(path: Path, timeout: float = 10.0) -> dict:
-    channel = await open_channel(path)
+class Connection:
+    """One request's conversation with the daemon: frames over a blocking Unix socket."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+        try:
+            self.sock.connect(str(path))
+        except FileNotFoundError:
+            raise DaemonUnreachable(f"no daemon socket at {path}: is meshd running? (start it with `meshd join`)")
+        except PermissionError:
+            raise DaemonUnreachable(f"permission denied on {path}: run meshctl as the daemon's user")
+        except ConnectionRefusedError:
+            raise DaemonUnreachable(f"nothing listens on {path}: the daemon is not running (stale socket)")
+        except OSError as exc:
+            raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}")
+        self.decoder, self.pending = Decoder(), []
+
+    def send(self, msg) -> None:
+        self.sock.sendall(encode(msg))
+
+    def receive(self, timeout: float):
+        self.sock.settimeout(timeout)
+        while not self.pending:
+            try:
+                data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                raise DaemonSilent(f"no answer within {timeout:.0f} s") from None
+            except OSError as exc:
+                raise DaemonSilent(f"connection failed: {exc}") from None
+            if not data:
+                raise DaemonSilent("the daemon closed the connection")
+            self.pending.extend(self.decoder.feed(data))
+        return self.pending.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def fetch_status(path: Path, timeout: float = 10.0) -> dict:
+    conn = Connection(path)
     try:
-        await channel.send(StatusRequest(request_id=1))
-        event = await channel.receive(timeout)
-        return dict(event.stats)
+        conn.send(StatusRequest(request_id=new_request_id()))
+        return dict(conn.receive(timeout).stats)
     finally:
-        await channel.aclose()
+        conn.close()
 
 
 def coverage_lines(counts: list[int]) -> list[str]:
@@ -99,39 +132,70 @@ def render_status(st: dict) -> str:
     return "\n".join(lines)
 
 
-async def generate(path: Path, args) -> int:
-    channel = await open_channel(path)
-    req = GenerateRequest(request_id=1, prompt=args.prompt, max_tokens=args.max_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, ignore_eos=args.ignore_eos)
+def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdout) -> tuple[int, dict, str]:
+    """Send one request, write its text to `out` as it arrives; (exit code, stats, text)."""
+    conn = Connection(path)
+    text = []
     try:
-        await channel.send(req)
+        conn.send(req)
         while True:
-            event = await channel.receive(args.timeout)
+            event = conn.receive(timeout)
             if event.kind == "text":
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+                out.write(event.text)
+                out.flush()
+                text.append(event.text)
             elif event.kind == "done":
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-                if args.stats:
-                    print(json.dumps(dict(event.stats)), file=sys.stderr)
-                return 0
+                return 0, dict(event.stats), "".join(text)
             elif event.kind == "error":
                 code = event.stats.get("code", "")
                 print(f"meshctl: generation failed ({code}): {event.text}", file=sys.stderr)
-                return EXIT_NO_ROUTE if code == "no_route" else EXIT_FAILED
-    except ChannelClosed:
-        print("meshctl: the daemon closed the connection mid-generation", file=sys.stderr)
-        return EXIT_FAILED
-    except trio.TooSlowError:
-        print(f"meshctl: no answer from the daemon within {args.timeout:.0f} s", file=sys.stderr)
-        return EXIT_FAILED
+                return (EXIT_NO_ROUTE if code == "no_route" else EXIT_FAILED), {}, "".join(text)
+    except DaemonSilent as exc:
+        print(f"meshctl: {exc} (mid-generation)", file=sys.stderr)
+        return EXIT_FAILED, {}, "".join(text)
     except WireError as exc:
         print(f"meshctl: bad answer from the daemon: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_FAILED, {}, "".join(text)
     finally:
-        await channel.aclose()
+        conn.close()
+
+
+def generate(path: Path, args) -> int:
+    req = GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          chat=args.chat, ignore_eos=args.ignore_eos)
+    code, stats, _ = stream_answer(path, req, args.timeout)
+    if code == 0:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if args.stats:
+            print(json.dumps(stats | {"request_id": req.request_id}), file=sys.stderr)
+    return code
+
+
+def chat(path: Path, args, read=input) -> int:
+    """An interactive conversation: each answer streams, the whole conversation goes with each turn.
+    Ctrl-D ends it; Ctrl-C ends it too (a generation under way is cancelled with the connection)."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    fetch_status(path)  # say at once if no daemon is there
+    print("meshctl chat: Ctrl-D or Ctrl-C to leave", file=sys.stderr)
+    while True:
+        try:
+            line = read("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        req = GenerateRequest(request_id=new_request_id(), prompt="", messages=json.dumps(messages),
+                              max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        code, _, answer = stream_answer(path, req, args.timeout)
+        print()
+        if code != 0:
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", action="store_true", help="last stderr line: JSON timing and route")
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-text")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
+    c = sub.add_parser("chat", help="an interactive chat in the terminal")
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--system", default="", help="a system message that opens the conversation")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
     return p
 
 
@@ -159,17 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     path = socket_path(args.socket)
     try:
         if args.command == "status":
-            st = trio.run(fetch_status, path)
+            st = fetch_status(path)
             print(json.dumps(st) if args.json else render_status(st))
             return 0
-        return trio.run(generate, path, args)
+        if args.command == "chat":
+            return chat(path, args)
+        return generate(path, args)
     except DaemonUnreachable as exc:
         print(f"meshctl: {exc}", file=sys.stderr)
         return EXIT_DOWN
-    except (ChannelClosed, trio.TooSlowError) as exc:
-        print(f"meshctl: the daemon did not answer: {exc or type(exc).__name__}", file=sys.stderr)
+    except (DaemonSilent, WireError) as exc:
+        print(f"meshctl: the daemon did not answer: {exc}", file=sys.stderr)
         return EXIT_DOWN
     except KeyboardInterrupt:
+        print(file=sys.stderr)
         return 130
 
 

@@ -122,6 +122,8 @@ class Entry:
         end = time.perf_counter()
         n = len(progress.tokens)
         first = progress.first_token_at or end
+        log.info("generation done", tokens=n, prompt_tokens=len(ids), reroutes=progress.reroutes,
+                 seconds=round(end - t0, 3))
         return {"ttft_s": round(first - t0, 4), "tokens": n, "prompt_tokens": len(ids),
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
                 "route": progress.route, "reroutes": progress.reroutes,

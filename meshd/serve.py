@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import structlog
 import trio
 
 from meshd.compute import ComputeExecutor
@@ -77,6 +78,8 @@ class ShardService:
                     continue
                 if isinstance(msg, OpenSession):
                     opened.add((msg.session_id, msg.epoch))
+                    # this stream's log lines carry the request they serve, as on the entry
+                    structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
                 try:
                     replies = await self.handle(msg)
                 except Exception as exc:  # a bug in one session must not take the daemon down
@@ -92,3 +95,5 @@ class ShardService:
                 for key in opened:
                     await self.release(key)
                 await channel.aclose()
+            if opened:
+                log.info("session stream closed", sessions=len(opened))

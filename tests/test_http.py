@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP API of real daemons, used through the official `openai` package."""
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -97,6 +100,33 @@ def test_a_streaming_client_that_disconnects_leaves_no_kv_on_any_hop(mesh):
     while time.monotonic() < deadline and sum(d.status()["sessions"] for d in (a, b, c)):
         time.sleep(0.2)
     assert [d.status()["sessions"] for d in (a, b, c)] == [0, 0, 0]
+
+
+def test_a_request_id_follows_the_generation_into_every_hops_log(mesh):
+    m, a, b, c = mesh
+    out = ctl(b.socket, ["generate", "--max-tokens", "4", "--stats", "Water boils at"])  # b forwards to a
+    assert out.returncode == 0, out.stderr
+    rid = json.loads(out.stderr.strip().splitlines()[-1])["request_id"]
+    time.sleep(1.0)  # the hops log when their session streams close
+    for d in (a, b, c):
+        lines = [line for line in d.log_path.read_text().splitlines() if f'"request_id": {rid}' in line]
+        assert lines, f"request {rid} not in {d.name}'s log"
+        assert not any("disconnected" in line for line in lines)  # the client read to the end, then closed
+
+
+def test_meshctl_chat_keeps_a_conversation_and_ends_on_ctrl_d(mesh):
+    m, a, b, c = mesh
+    out = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "chat", "--max-tokens", "12"],
+                         input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("you> ") == 3 and "Paris" in out.stdout  # two turns answered, then the EOF prompt
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "chat"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err
 
 
 def test_an_uncovered_layer_gets_503_naming_it(mesh):

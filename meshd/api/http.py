@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hmac
 import logging
-import itertools
+import secrets
 import json
 
+import structlog
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -37,7 +38,6 @@ class HttpApi:
     def __init__(self, daemon, generate, metrics, token: str = "") -> None:
         """`generate(request, emit) -> stats` runs or forwards one generation (the control server's)."""
         self.daemon, self.generate, self.metrics, self.token = daemon, generate, metrics, token
-        self._ids = itertools.count(1)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -81,7 +81,7 @@ class HttpApi:
         try:
             body = await self._body(receive)
             c = openai.parse_request(body, chat, d.artifact.name, d.artifact.config.max_positions,
-                                     next(self._ids))
+                                     secrets.randbits(53) or 1)
         except openai.BadRequest as exc:
             return await self._json(send, 400, openai.error_body(str(exc), "invalid_request_error"))
         gaps = d.mesh.coverage.serving().gaps() if d.mesh else []
@@ -89,13 +89,14 @@ class HttpApi:
             where = ", ".join(f"[{a}, {b})" for a, b in gaps)
             return await self._json(send, 503, openai.error_body(f"no route: layers {where} are not served by any"
                                                                  " live daemon", "service_unavailable", "no_route"))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
-            if c.stream:
-                await self._stream(c, send)
-            else:
-                await self._whole(c, send)
-            nursery.cancel_scope.cancel()
+        with structlog.contextvars.bound_contextvars(request_id=c.request.request_id):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+                if c.stream:
+                    await self._stream(c, send)
+                else:
+                    await self._whole(c, send)
+                nursery.cancel_scope.cancel()
 
     async def _watch_disconnect(self, receive, scope: trio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
