@@ -12,15 +12,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-# wire dtype name -> (itemsize, numpy dtype or None when numpy has no such type)
+# wire dtype name -> (itemsize, numpy dtype string or None when numpy has no such type); numpy itself
+# is imported where arrays are made, so a client that moves only text (meshctl) never loads it
 DTYPES: dict[str, tuple[int, Any]] = {
     "bfloat16": (2, None),
-    "float16": (2, np.dtype("<f2")),
-    "float32": (4, np.dtype("<f4")),
-    "int32": (4, np.dtype("<i4")),
-    "int64": (8, np.dtype("<i8")),
+    "float16": (2, "<f2"),
+    "float32": (4, "<f4"),
+    "int32": (4, "<i4"),
+    "int64": (8, "<i8"),
 }
 BYTE_ORDER = "<"
 
@@ -49,16 +48,21 @@ class Tensor:
         return len(self.data)
 
     @classmethod
-    def from_numpy(cls, name: str, array: np.ndarray) -> "Tensor":
+    def from_numpy(cls, name: str, array) -> "Tensor":
         """Wrap a numpy array (float16/32, int32/64); bfloat16 must come from torch."""
-        for dtype_name, (_, np_dtype) in DTYPES.items():
+        import numpy as np
+
+        for dtype_name, (_, spec) in DTYPES.items():
+            np_dtype = None if spec is None else np.dtype(spec)
             if np_dtype is not None and array.dtype.kind == np_dtype.kind and array.dtype.itemsize == np_dtype.itemsize:
                 data = np.ascontiguousarray(array, dtype=np_dtype).tobytes()
                 return cls(name, tuple(int(d) for d in array.shape), dtype_name, data)
         raise ValueError(f"numpy dtype {array.dtype} has no wire dtype")
 
-    def to_numpy(self) -> np.ndarray:
+    def to_numpy(self):
         """A read-only numpy view; bfloat16 is widened to float32 (numpy has no bfloat16)."""
+        import numpy as np
+
         if self.dtype == "bfloat16":
             bits = np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16
             return bits.view(np.float32).reshape(self.shape)
