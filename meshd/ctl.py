@@ -119,6 +119,7 @@ def render_status(st: dict) -> str:
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating"]
     lines += [f"addr      {a}" for a in st["addrs"]]
+    lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
     lines.append(f"peers     {len(st['peers'])}")
     for p in st["peers"]:
         state = "serving" if p["serving"] else "loading"
