@@ -23,6 +23,8 @@ def test_a_chat_request_becomes_a_generate_request():
     assert (r.request_id, r.max_tokens, r.temperature, r.top_p, r.seed) == (7, 5, 0.0, 0.5, 3)
     assert json.loads(r.messages)[1] == {"role": "user", "content": "Hi"} and c.stream and c.stop == ["\n"]
     assert parse({"prompt": "x"}, chat=False).request.prompt == "x"
+    parts = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert json.loads(parts.request.messages) == [{"role": "user", "content": "ab"}]
 
 
 @pytest.mark.parametrize("body, message", [
@@ -34,6 +36,8 @@ def test_a_chat_request_becomes_a_generate_request():
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n'"),
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text"),
+    ({"messages": [{"role": "user"}]}, "content"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, "number"),
 ])

@@ -75,11 +75,12 @@ def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
+        turns = []
         for m in messages:
-            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), str)):
-                raise BadRequest("each message needs a 'role' (system, user or assistant) and a string 'content'")
-        text = {"prompt": "", "messages": json.dumps([{"role": m["role"], "content": m["content"]} for m in messages])}
+            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")):
+                raise BadRequest("each message needs a 'role': system, user or assistant")
+            turns.append({"role": m["role"], "content": _content(m.get("content"))})
+        text = {"prompt": "", "messages": json.dumps(turns)}
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -87,6 +88,16 @@ def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: 
         text = {"prompt": prompt}
     req = GenerateRequest(request_id=request_id, **text, **params)
     return Completion(req, chat, bool(body.get("stream", False)), stop, model)
+
+
+def _content(content) -> str:
+    """A message's text: a string, or a list of text parts ({"type": "text", "text": ...})."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest("a message's 'content' must be a string or a list of text parts (only text is served)")
 
 
 class StopScanner:
