@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--socket", help="control socket path")
     join.add_argument("--recipe", choices=RECIPE_CHOICES,
                       help="auto (default: native for a quantized GGUF, else exact), native, exact or compact")
+    join.add_argument("--threads", type=int, help="threads for tensor work (default: one per core; lower it when"
+                                                  " daemons share a machine)")
     join.add_argument("--http", help="serve the OpenAI-compatible API and /metrics on HOST:PORT (off by default;"
                                      " 127.0.0.1:8080 keeps it on this machine)")
     join.add_argument("--http-token", help="bearer token HTTP clients must send")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             from meshd.settings import load_settings
 
             flags = {k: getattr(args, k) for k in ("bootstrap", "model", "layers", "num_layers", "memory", "listen",
-                                                    "state_dir", "socket", "recipe", "http", "http_token",
+                                                    "state_dir", "socket", "recipe", "threads", "http", "http_token",
                                                     "http_token_file")}
             return run_daemon(load_settings(flags, args.config))
         if args.command == "demo":

@@ -274,6 +274,10 @@ def run_daemon(settings: Settings) -> int:
     event loop cannot take it yet) ends the process at once.
     """
     Path(settings.state_path).mkdir(parents=True, exist_ok=True)
+    if settings.threads:  # a box shared with other daemons or work: torch's pool would oversubscribe it
+        import torch
+
+        torch.set_num_threads(settings.threads)
     compute = ComputeExecutor()
     daemon = Daemon(settings, compute)
     failure: list[BaseException] = []

@@ -26,7 +26,9 @@ def run_demo(args) -> int:
     try:
         say("starting daemons for layers " + ", ".join(f"{a}:{b}" for a, b in SPLIT)
             + " and waiting for the coverage map to fill")
-        entry = mesh.start_chain(SPLIT, extra=["--model", args.model])[0]
+        # three daemons share this machine: each takes its share of the cores, not all of them
+        threads = max(1, (os.cpu_count() or 1) // len(SPLIT))
+        entry = mesh.start_chain(SPLIT, extra=["--model", args.model, "--threads", str(threads)])[0]
         print(ctl(entry.socket, ["status"]).stdout, file=sys.stderr)
         say(f"generating through the mesh: {args.prompt!r}")
         gen = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(entry.socket), "generate", "--chat",

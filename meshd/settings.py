@@ -42,6 +42,7 @@ class Settings:
     state_dir: str = ""
     socket: str = ""
     recipe: str = "auto"
+    threads: int = 0  # torch threads for tensor work; 0: one per core
     http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""

@@ -60,3 +60,15 @@ def test_memory_budget_bounds_the_auto_range():
     assert Settings(num_layers=10, memory=7 * per + 1).layers_wanted(30, per) == 7
     assert Settings(memory=1).layers_wanted(30, per) == 1
     assert Settings(num_layers=99).layers_wanted(30, per) == 30
+
+
+def test_threads_and_http_settings_come_from_flags_environment_and_file(tmp_path):
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('threads = 3\nhttp = "127.0.0.1:9000"\nhttp_token_file = "%s"\n' % (tmp_path / "tok"))
+    (tmp_path / "tok").write_text("abc\n")
+    s = load_settings({}, str(cfg), environ={})
+    assert (s.threads, s.http, s.bearer_token()) == (3, "127.0.0.1:9000", "abc")
+    s = load_settings({"threads": 1, "http_token": "xyz"}, str(cfg), environ={"MESHD_THREADS": "2"})
+    assert (s.threads, s.bearer_token()) == (1, "xyz")
+    assert load_settings({}, None, environ={"MESHD_THREADS": "2"}).threads == 2
+    assert load_settings({}, None, environ={}).http == ""  # the HTTP API is off unless asked
