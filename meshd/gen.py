@@ -143,23 +143,20 @@ class Entry:
         route = self._plan(exclude)
         progress.route = [[d.mesh.peer_id, 0, d.shard.end]] + route.describe()
         sid = os.urandom(16)
-        hops: list[tuple[str, Channel]] = []
+        at = Attempt(d.service, progress, sid, epoch)  # this try's own state: nothing shared between generations
         local_key = (sid, epoch)
-        tokens_send, tokens_recv = trio.open_memory_channel[Token](16)
         try:
             async with trio.open_nursery() as nursery:
                 await self._open_local(sid, epoch, req, ids, max_tokens)
                 for hop in route.hops:
-                    hops.append((hop.peer_id, await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens)))
-                self.pending = {peer: 0 for peer, _ in hops}  # frames sent to a hop, not yet answered
-                for i, (peer, channel) in enumerate(hops):
-                    nxt = hops[i + 1] if i + 1 < len(hops) else None
-                    nursery.start_soon(self._pump, peer, channel, nxt, tokens_send)
-                self.progress = progress
-                token = await self._prefill(sid, epoch, ids, hops, tokens_recv)
+                    at.add_hop(hop.peer_id, await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens))
+                for i, (peer, channel) in enumerate(at.hops):
+                    nxt = at.hops[i + 1] if i + 1 < len(at.hops) else None
+                    nursery.start_soon(at.pump, peer, channel, nxt)
+                token = await at.prefill(ids)
                 position = len(ids)
                 if progress.tokens:  # a replay after rerouting feeds back what was generated
-                    token = await self._replay(sid, epoch, progress.tokens, position, hops, tokens_recv)
+                    token = await at.replay(progress.tokens, position)
                     position += len(progress.tokens)
                 while len(progress.tokens) < max_tokens:
                     if progress.first_token_at is None:
@@ -173,15 +170,14 @@ class Entry:
                                                stats=first))
                     if token in eos or len(progress.tokens) >= max_tokens:
                         break
-                    token = await self._step(sid, epoch, len(progress.tokens), Phase.DECODE, position, [token],
-                                             hops, tokens_recv)
+                    token = await at.step(len(progress.tokens), Phase.DECODE, position, [token])
                     position += 1
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await d.service.release(local_key)
                 with trio.move_on_after(2.0):
-                    for _, channel in hops:
+                    for _, channel in at.hops:
                         try:
                             await channel.send(Close(session_id=sid, epoch=epoch))
                         except ChannelClosed:
@@ -221,8 +217,23 @@ class Entry:
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
         return channel
 
-    async def _pump(self, peer: str, channel: Channel, nxt: tuple[str, Channel] | None,
-                    tokens: trio.MemorySendChannel) -> None:
+
+class Attempt:
+    """One try at a generation over one route: its hops, the frames each holds unanswered, its
+    deadlines and the time it spends. Rule: one per generation and route, never shared, so
+    concurrent generations cannot blame each other's hops or mix their stats."""
+
+    def __init__(self, service, progress: Progress, sid: bytes, epoch: int) -> None:
+        self.service, self.progress, self.sid, self.epoch = service, progress, sid, epoch
+        self.hops: list[tuple[str, Channel]] = []
+        self.pending: dict[str, int] = {}  # frames sent to a hop, not yet answered
+        self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token](16)
+
+    def add_hop(self, peer: str, channel: Channel) -> None:
+        self.hops.append((peer, channel))
+        self.pending[peer] = 0
+
+    async def pump(self, peer: str, channel: Channel, nxt: tuple[str, Channel] | None) -> None:
         """Move one hop's outputs on: hidden states to the next hop, tokens to the entry."""
         while True:
             try:
@@ -234,51 +245,51 @@ class Entry:
             if isinstance(msg, (Token, Forward)):
                 self.pending[peer] -= 1
             if isinstance(msg, Token):
-                await tokens.send(msg)
+                await self.tokens_send.send(msg)
             elif isinstance(msg, Forward) and nxt is not None:
-                await self._send(nxt[0], nxt[1], msg)
+                await self.send(nxt[0], nxt[1], msg)
 
-    async def _send(self, peer: str, channel: Channel, msg: Message) -> None:
+    async def send(self, peer: str, channel: Channel, msg: Message) -> None:
         try:
             await channel.send(msg)
         except ChannelClosed as exc:
             raise HopFailed(peer, f"stream closed: {exc}") from None
         self.pending[peer] += 1
 
-    async def _local(self, frame: Forward) -> Message | None:
+    async def local(self, frame: Forward) -> Message | None:
         t0 = time.perf_counter()
-        replies = await self.daemon.service.handle(frame)
+        replies = await self.service.handle(frame)
         self.progress.local_s += time.perf_counter() - t0
         if replies and isinstance(replies[0], Error):
             raise GenerationError(replies[0].code, replies[0].message)
         return replies[0] if replies else None
 
-    async def _step(self, sid, epoch, step, phase, position, ids, hops, tokens_recv, chunk=(0, 1)) -> int | None:
-        out = await self._local(token_frame(sid, epoch, step, phase, position, ids, *chunk))
+    async def step(self, step, phase, position, ids, chunk=(0, 1)) -> int | None:
+        out = await self.local(token_frame(self.sid, self.epoch, step, phase, position, ids, *chunk))
         if isinstance(out, Token):
             return out.token_id
         if out is not None:
-            await self._send(*hops[0], out)
+            await self.send(*self.hops[0], out)
         if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
             return None
         timeout = STEP_TIMEOUT if phase == Phase.PREFILL else self.progress.decode_deadline()
         t0 = time.perf_counter()
-        token = await self._next_token(tokens_recv, hops, timeout)
+        token = await self.next_token(timeout)
         if phase == Phase.DECODE:
             took = time.perf_counter() - t0
             p = self.progress
             p.step_s = took if p.step_s is None else 0.8 * p.step_s + 0.2 * took
         return token
 
-    async def _prefill(self, sid, epoch, ids, hops, tokens_recv) -> int:
+    async def prefill(self, ids) -> int:
         spans = chunk_spans(len(ids))
         token = None
         for ci, (a, b) in enumerate(spans):
-            token = await self._step(sid, epoch, 0, Phase.PREFILL, a, ids[a:b], hops, tokens_recv, (ci, len(spans)))
+            token = await self.step(0, Phase.PREFILL, a, ids[a:b], (ci, len(spans)))
         assert token is not None
         return token
 
-    async def _replay(self, sid, epoch, tokens, position, hops, tokens_recv) -> int:
+    async def replay(self, tokens, position) -> int:
         """Run the tokens generated before a reroute through the new route as the decode steps they
         first were, one position a step: every hop then computes bit for bit what the lost route
         computed (a prefill of the same positions would not: attention kernels round differently
@@ -287,27 +298,27 @@ class Entry:
         outs: list[int] = []
         sent = 0
         for i, t in enumerate(tokens):
-            out = await self._local(token_frame(sid, epoch, i + 1, Phase.DECODE, position + i, [t], 0, 1))
+            out = await self.local(token_frame(self.sid, self.epoch, i + 1, Phase.DECODE, position + i, [t], 0, 1))
             if isinstance(out, Token):  # the entry holds the whole model
                 outs.append(out.token_id)
                 continue
-            await self._send(*hops[0], out)
+            await self.send(*self.hops[0], out)
             sent += 1
             while sent - len(outs) >= REPLAY_WINDOW:
-                outs.append(await self._next_token(tokens_recv, hops, STEP_TIMEOUT))
+                outs.append(await self.next_token(STEP_TIMEOUT))
         while len(outs) < len(tokens):
-            outs.append(await self._next_token(tokens_recv, hops, STEP_TIMEOUT))
+            outs.append(await self.next_token(STEP_TIMEOUT))
         if outs[:-1] != list(tokens[1:]):
             log.warning("replay diverged from the first route", positions=len(tokens))
         return outs[-1]
 
-    async def _next_token(self, tokens_recv, hops, timeout: float) -> int:
+    async def next_token(self, timeout: float) -> int:
         t0 = time.perf_counter()
         with trio.move_on_after(timeout) as scope:
-            msg = await tokens_recv.receive()
+            msg = await self.tokens_recv.receive()
         self.progress.wait_s += time.perf_counter() - t0
         if scope.cancelled_caught:
             # blame the first hop that holds a frame it has not answered: the stall is there
-            stalled = next((peer for peer, _ in hops if self.pending.get(peer, 0) > 0), hops[-1][0])
+            stalled = next((peer for peer, _ in self.hops if self.pending.get(peer, 0) > 0), self.hops[-1][0])
             raise HopFailed(stalled, f"no answer within {timeout:.1f} s")
         return msg.token_id
