@@ -11,6 +11,7 @@ the KV on every hop.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -26,16 +27,16 @@ from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.routing.plan import NoRoute, Route, plan_route
 from meshd.shard.endpoint import token_frame
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
-from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Message, OpenSession, Opened, Phase,
-                        StreamEvent, Token, WireError, chunk_spans)
+from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Heartbeat, Message, OpenSession, Opened,
+                        Phase, StreamEvent, Token, WireError, chunk_spans)
 
 SHARD_PROTOCOL = TProtocol("/meshd/shard/1.0.0")
 GEN_PROTOCOL = TProtocol("/meshd/gen/1.0.0")
 OPEN_TIMEOUT = 30.0
-STEP_TIMEOUT = 60.0  # prefill, and decode before any step was timed
+STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
 REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
-DECODE_TIMEOUT_MIN = 5.0  # a decode step is given max(this, DECODE_TIMEOUT_FACTOR x the usual step)
-DECODE_TIMEOUT_FACTOR = 20.0
+HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
+SILENT_S = 1.0  # a hop that answers nothing (no ping, no frame) for this long is failed
 MAX_ATTEMPTS = 3
 log = get_logger(__name__)
 
@@ -60,14 +61,8 @@ class Progress:
     reroutes: int = 0
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
-    step_s: float | None = None  # moving average of a decode step's wait, for its deadline
+    step_s: float | None = None  # moving average of a decode step's wait
     emitted: bool = False  # some text has reached the client
-
-    def decode_deadline(self) -> float:
-        """A silently dead hop is noticed within this many seconds (TCP alone takes 30 s and more)."""
-        if self.step_s is None:
-            return STEP_TIMEOUT
-        return max(DECODE_TIMEOUT_MIN, DECODE_TIMEOUT_FACTOR * self.step_s)
 
 
 Emit = Callable[[StreamEvent], Awaitable[None]]
@@ -153,6 +148,8 @@ class Entry:
                 for i, (peer, channel) in enumerate(at.hops):
                     nxt = at.hops[i + 1] if i + 1 < len(at.hops) else None
                     nursery.start_soon(at.pump, peer, channel, nxt)
+                if at.hops:
+                    nursery.start_soon(at.keepalive)
                 token = await at.prefill(ids)
                 position = len(ids)
                 if progress.tokens:  # a replay after rerouting feeds back what was generated
@@ -227,11 +224,29 @@ class Attempt:
         self.service, self.progress, self.sid, self.epoch = service, progress, sid, epoch
         self.hops: list[tuple[str, Channel]] = []
         self.pending: dict[str, int] = {}  # frames sent to a hop, not yet answered
+        self.heard: dict[str, float] = {}  # when each hop last said anything (a frame or a ping's echo)
         self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token](16)
 
     def add_hop(self, peer: str, channel: Channel) -> None:
         self.hops.append((peer, channel))
         self.pending[peer] = 0
+        self.heard[peer] = trio.current_time()
+
+    async def keepalive(self) -> None:
+        """Ping every hop; a hop's event loop echoes pings even while its compute thread is busy."""
+        for seq in itertools.count():
+            for peer, channel in self.hops:
+                try:
+                    await channel.send(Heartbeat(seq=seq))
+                except ChannelClosed as exc:
+                    raise HopFailed(peer, f"stream closed: {exc}") from None
+            await trio.sleep(HEARTBEAT_S)
+
+    def silent_hop(self) -> str | None:
+        """A hop that has said nothing for SILENT_S, those holding frames first."""
+        now = trio.current_time()
+        silent = [peer for peer, _ in self.hops if now - self.heard[peer] > SILENT_S]
+        return next((p for p in silent if self.pending[p] > 0), silent[0] if silent else None)
 
     async def pump(self, peer: str, channel: Channel, nxt: tuple[str, Channel] | None) -> None:
         """Move one hop's outputs on: hidden states to the next hop, tokens to the entry."""
@@ -240,6 +255,9 @@ class Attempt:
                 msg = await channel.receive(STEP_TIMEOUT * 10)
             except (ChannelClosed, WireError, trio.TooSlowError) as exc:
                 raise HopFailed(peer, str(exc) or type(exc).__name__) from None
+            self.heard[peer] = trio.current_time()
+            if isinstance(msg, Heartbeat):
+                continue
             if isinstance(msg, Error):
                 raise HopFailed(peer, f"{msg.code}: {msg.message}", retriable=True)
             if isinstance(msg, (Token, Forward)):
@@ -272,9 +290,8 @@ class Attempt:
             await self.send(*self.hops[0], out)
         if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
             return None
-        timeout = STEP_TIMEOUT if phase == Phase.PREFILL else self.progress.decode_deadline()
         t0 = time.perf_counter()
-        token = await self.next_token(timeout)
+        token = await self.next_token(STEP_TIMEOUT)
         if phase == Phase.DECODE:
             took = time.perf_counter() - t0
             p = self.progress
@@ -313,12 +330,21 @@ class Attempt:
         return outs[-1]
 
     async def next_token(self, timeout: float) -> int:
+        """The next token from the tail. A hop silent for SILENT_S is failed at once; hops that echo
+        their pings are given up to `timeout`, however slowly they compute."""
         t0 = time.perf_counter()
-        with trio.move_on_after(timeout) as scope:
-            msg = await self.tokens_recv.receive()
-        self.progress.wait_s += time.perf_counter() - t0
-        if scope.cancelled_caught:
-            # blame the first hop that holds a frame it has not answered: the stall is there
-            stalled = next((peer for peer, _ in self.hops if self.pending.get(peer, 0) > 0), self.hops[-1][0])
-            raise HopFailed(stalled, f"no answer within {timeout:.1f} s")
-        return msg.token_id
+        deadline = trio.current_time() + timeout
+        try:
+            while True:
+                with trio.move_on_after(min(HEARTBEAT_S, max(0.0, deadline - trio.current_time()))):
+                    return (await self.tokens_recv.receive()).token_id
+                silent = self.silent_hop() if self.hops else None
+                if silent is not None:
+                    raise HopFailed(silent, f"silent for {trio.current_time() - self.heard[silent]:.1f} s")
+                if trio.current_time() >= deadline:
+                    # blame the first hop that holds a frame it has not answered: the stall is there
+                    stalled = next((peer for peer, _ in self.hops if self.pending.get(peer, 0) > 0),
+                                   self.hops[-1][0] if self.hops else "entry")
+                    raise HopFailed(stalled, f"no answer within {timeout:.1f} s")
+        finally:
+            self.progress.wait_s += time.perf_counter() - t0

@@ -21,6 +21,7 @@ from meshd.wire import (Cancel, Close, Error, ErrorCode, Heartbeat, Hello, Messa
                         Phase, UnsupportedVersion, WireError)
 
 IDLE_TIMEOUT = 300.0
+WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream
 log = get_logger(__name__)
 
 
@@ -56,38 +57,39 @@ class ShardService:
         await self.compute.run(self.endpoint.release, key)
 
     async def serve_stream(self, stream) -> None:
-        """The /meshd/shard/1.0.0 handler: serve frames until the stream ends."""
+        """The /meshd/shard/1.0.0 handler: serve frames until the stream ends.
+
+        Heartbeats are answered by the reader at once, while a worker runs the stream's frames in
+        order on the compute thread: a hop busy computing still shows it is alive, so the entry
+        can tell it from a frozen one."""
         channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
         opened: set[tuple[bytes, int]] = set()
+        work_send, work_recv = trio.open_memory_channel[Message](WORK_QUEUE)
         try:
-            while True:
-                try:
-                    msg = await channel.receive(IDLE_TIMEOUT)
-                except (ChannelClosed, trio.TooSlowError):
-                    return
-                except WireError as exc:  # the stream can no longer be trusted: say why, then close
-                    code = ErrorCode.VERSION if isinstance(exc, UnsupportedVersion) else ErrorCode.BAD_FRAME
-                    await channel.send(Error(code=code, message=str(exc)))
-                    return
-                if isinstance(msg, Hello):
-                    await channel.send(Hello(agent="meshd", model_fingerprint=self.endpoint.model_fp,
-                                             recipe_fingerprint=self.endpoint.recipe_fp))
-                    continue
-                if isinstance(msg, Heartbeat):
-                    await channel.send(msg)
-                    continue
-                if isinstance(msg, OpenSession):
-                    opened.add((msg.session_id, msg.epoch))
-                    # this stream's log lines carry the request they serve, as on the entry
-                    structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
-                try:
-                    replies = await self.handle(msg)
-                except Exception as exc:  # a bug in one session must not take the daemon down
-                    log.exception("shard request failed")
-                    replies = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
-                                     session_id=getattr(msg, "session_id", b""))]
-                for reply in replies:
-                    await channel.send(reply)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._work, channel, work_recv)
+                while True:
+                    try:
+                        msg = await channel.receive(IDLE_TIMEOUT)
+                    except (ChannelClosed, trio.TooSlowError):
+                        break
+                    except WireError as exc:  # the stream can no longer be trusted: say why, then close
+                        code = ErrorCode.VERSION if isinstance(exc, UnsupportedVersion) else ErrorCode.BAD_FRAME
+                        await channel.send(Error(code=code, message=str(exc)))
+                        break
+                    if isinstance(msg, Hello):
+                        await channel.send(Hello(agent="meshd", model_fingerprint=self.endpoint.model_fp,
+                                                 recipe_fingerprint=self.endpoint.recipe_fp))
+                    elif isinstance(msg, Heartbeat):
+                        await channel.send(msg)
+                    else:
+                        if isinstance(msg, OpenSession):
+                            opened.add((msg.session_id, msg.epoch))
+                            # this stream's log lines carry the request they serve, as on the entry
+                            structlog.contextvars.bind_contextvars(request_id=msg.request_id,
+                                                                   session=msg.session_id.hex()[:8])
+                        await work_send.send(msg)
+                nursery.cancel_scope.cancel()
         except ChannelClosed:
             pass
         finally:
@@ -97,3 +99,20 @@ class ShardService:
                 await channel.aclose()
             if opened:
                 log.info("session stream closed", sessions=len(opened))
+
+    async def _work(self, channel: Channel, work: trio.MemoryReceiveChannel) -> None:
+        """Run a stream's frames in arrival order and send their replies."""
+        async for msg in work:
+            if isinstance(msg, OpenSession):
+                structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
+            try:
+                replies = await self.handle(msg)
+            except Exception as exc:  # a bug in one session must not take the daemon down
+                log.exception("shard request failed")
+                replies = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
+                                 session_id=getattr(msg, "session_id", b""))]
+            try:
+                for reply in replies:
+                    await channel.send(reply)
+            except ChannelClosed:
+                return

@@ -4,20 +4,25 @@ blamed for a stall, and that generations never share it."""
 import pytest
 import trio
 
-from meshd.gen import Attempt, HopFailed, Progress
-from meshd.wire import Error, ErrorCode, Forward, Phase, Token
+from meshd.gen import SILENT_S, Attempt, HopFailed, Progress
+from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Phase, Token
 
 SID = b"s" * 16
 
 
 class FakeHop:
-    """A hop's channel: what the entry sends is recorded; what the hop answers is fed by the test."""
+    """A hop's channel: what the entry sends is recorded; what the hop answers is fed by the test.
+    A live hop (`echo`) answers pings at once, as a daemon's event loop does while it computes."""
 
-    def __init__(self) -> None:
-        self.sent = []
-        self.answers_in, self.answers = trio.open_memory_channel(10)
+    def __init__(self, echo: bool = False) -> None:
+        self.sent, self.echo = [], echo
+        self.answers_in, self.answers = trio.open_memory_channel(100)
 
     async def send(self, msg) -> None:
+        if isinstance(msg, Heartbeat):
+            if self.echo:
+                self.answers_in.send_nowait(msg)
+            return
         self.sent.append(msg)
 
     async def receive(self, timeout: float):
@@ -58,3 +63,38 @@ async def test_an_error_frame_fails_its_hop_at_once(autojump_clock):
     await a.answers_in.send(Error(code=ErrorCode.UNKNOWN_SESSION, message="evicted"))
     with pytest.raises(HopFailed, match="unknown_session"):
         await at.pump("A", a, None)
+
+
+async def one_hop_step(hop: FakeHop, answer_after: float | None):
+    """Send one frame to a single hop; it answers after `answer_after` seconds (never if None).
+    Returns the token or the HopFailed, and the (mock) seconds it took."""
+    at = Attempt(None, Progress(), SID, 0)
+    at.add_hop("H", hop)
+    result = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(at.pump, "H", hop, None)
+        nursery.start_soon(at.keepalive)
+        if answer_after is not None:
+            async def answer():
+                await trio.sleep(answer_after)
+                await hop.answers_in.send(Token(session_id=SID, epoch=0, step=1, token_id=7))
+            nursery.start_soon(answer)
+        await at.send("H", hop, forward())
+        t0 = trio.current_time()
+        try:
+            result = await at.next_token(60.0)
+        except HopFailed as exc:
+            result = exc
+        nursery.cancel_scope.cancel()
+    return result, trio.current_time() - t0
+
+
+async def test_a_busy_hop_that_answers_pings_is_given_time(autojump_clock):
+    result, took = await one_hop_step(FakeHop(echo=True), answer_after=8.0)
+    assert result == 7 and took >= 8.0  # eight times the silence limit, and not failed
+
+
+async def test_a_frozen_hop_is_failed_after_a_second_of_silence(autojump_clock):
+    result, took = await one_hop_step(FakeHop(echo=False), answer_after=None)
+    assert isinstance(result, HopFailed) and result.peer_id == "H" and "silent" in str(result)
+    assert SILENT_S <= took <= SILENT_S + 0.5
