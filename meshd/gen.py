@@ -36,7 +36,8 @@ OPEN_TIMEOUT = 30.0
 STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
 REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
 HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
-SILENT_S = 1.0  # a hop that answers nothing (no ping, no frame) for this long is failed
+SILENT_S = 1.5  # a hop that answers nothing (no ping, no frame) for this long is failed: a frozen hop
+# costs the client under 2.5 s, with a margin for event loops slowed by a loaded machine
 MAX_ATTEMPTS = 3
 log = get_logger(__name__)
 

@@ -178,9 +178,9 @@ def test_a_hop_killed_mid_generation_is_routed_around():
 
 def test_a_frozen_hop_is_noticed_quickly_and_routed_around():
     """SIGSTOP leaves the hop's connection open but silent: it stops echoing the entry's pings, which
-    a hop busy computing keeps doing (measured: the client's longest pause ~1.2 s)."""
+    a hop busy computing keeps doing (measured: the client's longest pause ~2 s)."""
     solo, text, code, err, took, _ = disrupted_run(lambda p: p.send_signal(signal.SIGSTOP), PROMPTS[0], 60)
     assert code == 0, err
-    assert took < 40  # a second of silence, not TCP's minutes
+    assert took < 40  # a second and a half of silence, not TCP's minutes
     stats = json.loads(err.strip().splitlines()[-1])
     assert stats["reroutes"] >= 1 and text == solo
