@@ -9,7 +9,6 @@ requests to an entry it finds in the coverage map.
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket as stdlib_socket
 from pathlib import Path
@@ -31,7 +30,6 @@ log = get_logger(__name__)
 class ControlServer:
     def __init__(self, daemon, path: Path) -> None:
         self.daemon, self.path = daemon, Path(path)
-        self._ids = itertools.count(1)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

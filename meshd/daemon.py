@@ -188,7 +188,7 @@ class Daemon:
                 tokenizer = load_tokenizer(self.artifact)
             else:
                 self.artifact.forget_tokenizer()
-            trim_heap()
+            trim_heap()  # the tokenizer's conversion, or the dropped arrays, freed heap the shard's trim did not see
             return shard, tokenizer
 
         self.shard, self.tokenizer = await self.compute.run(load)

@@ -62,7 +62,6 @@ class Progress:
     reroutes: int = 0
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
-    step_s: float | None = None  # moving average of a decode step's wait
     emitted: bool = False  # some text has reached the client
 
 
@@ -291,13 +290,7 @@ class Attempt:
             await self.send(*self.hops[0], out)
         if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
             return None
-        t0 = time.perf_counter()
-        token = await self.next_token(STEP_TIMEOUT)
-        if phase == Phase.DECODE:
-            took = time.perf_counter() - t0
-            p = self.progress
-            p.step_s = took if p.step_s is None else 0.8 * p.step_s + 0.2 * took
-        return token
+        return await self.next_token(STEP_TIMEOUT)
 
     async def prefill(self, ids) -> int:
         spans = chunk_spans(len(ids))

@@ -56,7 +56,7 @@ class Metrics:
         try:
             stats = await run(req, timed)
         except BaseException as exc:
-            if _ended_normally(exc):  # e.g. the HTTP API cut the answer at a stop sequence
+            if ended_normally(exc):  # e.g. the HTTP API cut the answer at a stop sequence
                 self.finished.inc()
                 raise
             code = getattr(exc, "code", None)
@@ -71,9 +71,11 @@ class Metrics:
         return stats
 
 
-def _ended_normally(exc: BaseException) -> bool:
+def ended_normally(exc: BaseException) -> bool:
+    """Whether an exception (possibly wrapped in task groups) ended a generation on purpose, e.g. a
+    stop sequence: its class says so with `ends_generation_normally = True`."""
     if isinstance(exc, BaseExceptionGroup):
-        return any(_ended_normally(e) for e in exc.exceptions)
+        return any(ended_normally(e) for e in exc.exceptions)
     return getattr(exc, "ends_generation_normally", False)
 
 

@@ -51,10 +51,13 @@ def quantize_linear_weights(model, qtype=gguf.GGMLQuantizationType.Q8_0) -> None
                 p.copy_(torch.from_numpy(dequantize(q, qtype).reshape(p.shape)))
 
 
-def write_llama_gguf(model, path: Path, qtype=None) -> Path:
+def _decoder_gguf(model, path: Path, arch: str, qtype):
+    """A GGUF writer for a Llama-style decoder, with the metadata and the global tensors (embedding,
+    final norm, untied LM head) written; returns (writer, put, state dict, config). `put(name, array,
+    quantizable)` stores a tensor, quantized to `qtype` when asked and quantizable."""
     c = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -68,15 +71,21 @@ def write_llama_gguf(model, path: Path, qtype=None) -> Path:
     w.add_eos_token_id(2)
 
     def put(name, array, quantizable=False):
+        array = np.ascontiguousarray(array, dtype=np.float32)
         if qtype is not None and quantizable:
             w.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+            w.add_tensor(name, array)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])
     if not c.tie_word_embeddings:
         put("output.weight", sd["lm_head.weight"])
+    return w, put, sd, c
+
+
+def write_llama_gguf(model, path: Path, qtype=None) -> Path:
+    w, put, sd, c = _decoder_gguf(model, path, "llama", qtype)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
@@ -117,40 +126,16 @@ def tiny_qwen3(moe: bool = False, tie: bool = False, seed: int = 0, vocab: int =
 
 def write_qwen3_gguf(model, path: Path, qtype=None) -> Path:
     """llama.cpp's `qwen3` / `qwen3moe` layout: Q/K rows unpermuted, experts stacked in 3-D tensors."""
-    c = model.config
-    moe = getattr(c, "num_experts", 0) > 0
+    moe = getattr(model.config, "num_experts", 0) > 0
     arch = "qwen3moe" if moe else "qwen3"
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w, put, sd, c = _decoder_gguf(model, path, arch, qtype)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     if moe:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_bool(f"{arch}.expert_weights_norm", bool(c.norm_topk_prob))
-
-    def put(name, array, quantizable=False):
-        if qtype is not None and quantizable:
-            w.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-
-    put("token_embd.weight", sd["model.embed_tokens.weight"])
-    put("output_norm.weight", sd["model.norm.weight"])
-    if not c.tie_word_embeddings:
-        put("output.weight", sd["lm_head.weight"])
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])

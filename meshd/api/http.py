@@ -22,6 +22,7 @@ from hypercorn.trio import serve
 from meshd.api import openai
 from meshd.gen import GenerationError
 from meshd.log import get_logger
+from meshd.metrics import ended_normally
 from meshd.wire import StreamEvent
 
 MAX_BODY = 1 << 20
@@ -122,7 +123,7 @@ class HttpApi:
         try:
             stats = await self.generate(c.request, emit)
         except BaseException as exc:  # a stop sequence may come back wrapped in the entry's task groups
-            if not _is_stop(exc):
+            if not ended_normally(exc):
                 raise
         rest = scanner.flush()
         if rest:
@@ -189,12 +190,6 @@ class HttpApi:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
-
-
-def _is_stop(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return any(_is_stop(e) for e in exc.exceptions)
-    return isinstance(exc, Stopped)
 
 
 async def serve_http(app: HttpApi, bind: str, task_status=trio.TASK_STATUS_IGNORED) -> None:

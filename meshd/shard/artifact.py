@@ -102,6 +102,7 @@ class Artifact:
     fingerprint: str
     _gguf: GGUFFile | None = None
     _hf_index: dict[str, Path] = field(default_factory=dict)
+    _hf_headers: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
 
     @property
     def name(self) -> str:
@@ -147,25 +148,29 @@ class Artifact:
         with safe_open(self._hf_index[name], framework="pt") as f:
             return f.get_tensor(name)
 
+    def _hf_header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """Shape and dtype of a Hugging Face tensor, from its file's header (each file read once)."""
+        if name not in self._hf_headers:
+            from safetensors import safe_open
+
+            with safe_open(self._hf_index[name], framework="np") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    self._hf_headers[key] = (tuple(sl.get_shape()), sl.get_dtype())
+        return self._hf_headers[name]
+
     def stored_bytes(self, name: str) -> int:
         """Bytes the artifact stores for the named tensor."""
         if self._gguf is not None:
             return self._gguf.tensors[name].nbytes
-        from safetensors import safe_open
-
-        with safe_open(self._hf_index[name], framework="pt") as f:
-            sl = f.get_slice(name)
-            itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(sl.get_dtype(), 4)
-            return int(np.prod(sl.get_shape())) * itemsize
+        shape, dtype = self._hf_header(name)
+        return int(np.prod(shape)) * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(dtype, 4)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """The named tensor's shape, rows first (read from the header only)."""
         if self._gguf is not None:
             return self._gguf.tensors[name].shape
-        from safetensors import safe_open
-
-        with safe_open(self._hf_index[name], framework="np") as f:
-            return tuple(f.get_slice(name).get_shape())
+        return self._hf_header(name)[0]
 
     def tensor_qtype(self, name: str):
         """The GGUF storage type of the named tensor (None for a Hugging Face directory)."""
@@ -173,12 +178,7 @@ class Artifact:
 
     def tensor_elements(self, name: str) -> int:
         """Number of parameters in the named tensor (read from the header only)."""
-        if self._gguf is not None:
-            return self._gguf.tensors[name].n_elements
-        from safetensors import safe_open
-
-        with safe_open(self._hf_index[name], framework="np") as f:
-            return int(np.prod(f.get_slice(name).get_shape()))
+        return int(np.prod(self.tensor_shape(name)))
 
     def forget_tokenizer(self) -> None:
         """Drop the GGUF's tokenizer arrays (about 10 MB of Python strings for a 49k vocabulary):
@@ -190,10 +190,9 @@ class Artifact:
     @property
     def is_quantized(self) -> bool:
         """A GGUF file with block-quantized tensors (the case the native lane is for)."""
-        from gguf import GGMLQuantizationType as QT
+        from meshd.shard.quant import STORED_FLOATS
 
-        floats = {QT.F32, QT.F16, QT.BF16}
-        return self._gguf is not None and any(t.qtype not in floats for t in self._gguf.tensors.values())
+        return self._gguf is not None and any(t.qtype not in STORED_FLOATS for t in self._gguf.tensors.values())
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -35,9 +35,9 @@ def _tensor_bytes(artifact, name: str, recipe, role: str) -> int:
     # stored: GGUF quantized tensors repack (or stay raw for a table); floats stay as stored
     if artifact.kind == "gguf":
         qtype, shape = artifact.tensor_qtype(name), artifact.tensor_shape(name)
-        if qtype in quant.FLOAT_TYPES or qtype == quant.QT.BF16:
+        if qtype in quant.STORED_FLOATS:  # a float table is widened to float32 for lookups
             return 4 * n if role == "table" else artifact.stored_bytes(name)
-        if role == "table":
+        if role == "table":  # a quantized table stays as its GGUF rows
             return artifact.stored_bytes(name)
         return quant.native_bytes(qtype, shape, recipe.torch_matmul.itemsize)
     return 4 * n if role == "table" else artifact.stored_bytes(name)
@@ -100,7 +100,8 @@ def staging_bytes(artifact) -> int:
     def cost(name: str) -> int:
         shape, qtype = artifact.tensor_shape(name), artifact.tensor_qtype(name)
         halves = 1 if qtype in (quant.QT.Q4_0, quant.QT.Q4_1, quant.QT.Q4_K) else 2
-        chunk = min(quant.PACK_ROWS, shape[0]) * shape[-1] * halves * STAGING_BYTES_PER_CODE if len(shape) == 2 else 0
+        rows = artifact.tensor_elements(name) // shape[-1]  # experts stacked in 3-D count as rows too
+        chunk = min(quant.PACK_ROWS, rows) * shape[-1] * halves * STAGING_BYTES_PER_CODE if len(shape) >= 2 else 0
         return artifact.stored_bytes(name) + chunk
 
     return max(cost(n) for n in artifact.tensor_names())

@@ -9,6 +9,7 @@ adding it to a float32 residual stream promotes it back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,7 @@ class ConcatWeight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         outs = [_mm(x, p) for p in self.parts]
-        dtype = torch.promote_types(outs[0].dtype, outs[-1].dtype)
+        dtype = functools.reduce(torch.promote_types, (o.dtype for o in outs))
         return torch.cat([o.to(dtype) for o in outs], dim=-1)
 
 
@@ -156,10 +157,8 @@ def load_expert_matrices(artifact, names: list[str], recipe) -> list[Weight]:
 
 def load_table(artifact, name: str, recipe):
     """An embedding table: float32 rows, or in the native lane the GGUF's own quantized rows."""
-    if recipe.weight_dtype == "stored" and artifact.kind == "gguf":
-        raw = artifact.raw(name)
-        if raw.qtype not in quant.FLOAT_TYPES:
-            return quant.QuantRows(raw)
+    if recipe.weight_dtype == "stored" and artifact.tensor_qtype(name) not in (None, *quant.STORED_FLOATS):
+        return quant.QuantRows(artifact.raw(name))
     return torch.from_numpy(np.ascontiguousarray(artifact.read(name)))
 
 

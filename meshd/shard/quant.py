@@ -22,9 +22,10 @@ from gguf.quants import Q4_K, dequantize
 GROUP = 32
 PACK_ROWS = 1024  # rows packed per kernel call (a multiple of the kernel's 64-row tiles; small staging)
 FLOAT_TYPES = {QT.F32: np.float32, QT.F16: np.float16}
+STORED_FLOATS = {QT.F32, QT.F16, QT.BF16}  # not block-quantized: the native lane keeps them as stored
 LOSSLESS = {QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q8_0}
 REQUANTIZED = {QT.Q6_K}
-SUPPORTED = LOSSLESS | REQUANTIZED | set(FLOAT_TYPES) | {QT.BF16}
+SUPPORTED = LOSSLESS | REQUANTIZED | STORED_FLOATS
 LAYOUT = "int4-g32 (4-bit codes) | dual-int4-g32 (8-bit codes) | Q6_K->q8-g32; scales in the matmul dtype; v1"
 
 

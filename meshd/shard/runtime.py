@@ -63,6 +63,8 @@ class Shard:
             self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family != "gpt2" else None
         trim_heap()
         self.load_seconds = time.perf_counter() - t0
+        # bytes of the weights held; fixed once loaded (status and metrics read it often)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.distinct_tensors())
         self._ranges: dict[Hashable, tuple[int, int]] = {}
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
                           kv_budget_bytes, kv_ttl_s)
@@ -91,24 +93,16 @@ class Shard:
                     out.extend(t.tensors())
         return out
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the weights this shard holds (shared tensors counted once)."""
-        seen, total = set(), 0
+    def distinct_tensors(self) -> list[torch.Tensor]:
+        """The tensors this shard holds, each once (a tied table may serve as head and tail)."""
+        seen: dict[int, torch.Tensor] = {}
         for t in self.tensors():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+            seen.setdefault(t.data_ptr(), t)
+        return list(seen.values())
 
     @property
     def n_params(self) -> int:
-        seen, total = set(), 0
-        for t in self.tensors():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel()
-        return total
+        return sum(t.numel() for t in self.distinct_tensors())
 
     def open_session(self, key: Hashable, max_length: int | None = None, start: int | None = None,
                      end: int | None = None) -> None:
