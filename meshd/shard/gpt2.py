@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from meshd.shard.config import ModelConfig
 from meshd.shard.linear import Weight, linear, load_matrix, load_table, lookup
+from meshd.shard.rows import Rows
 
 
 @dataclass
@@ -99,23 +100,26 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
     return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
 
 
-def final(tail, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def final(tail, x: torch.Tensor, cfg: ModelConfig, rows: Rows) -> torch.Tensor:
     h = layer_norm(x, tail["norm_w"], tail["norm_b"], cfg.norm_eps)
-    return linear(h, tail["lm_head"])
+    return rows.linear(h, tail["lm_head"])
 
 
-def layer_forward(p: GPT2Layer, x: torch.Tensor, cfg: ModelConfig, rotary, kv, li: int, pos: int) -> torch.Tensor:
+def layer_forward(p: GPT2Layer, x: torch.Tensor, cfg: ModelConfig, rotary, rows: Rows, li: int) -> torch.Tensor:
+    h = layer_norm(x, p.ln1_w, p.ln1_b, cfg.norm_eps)
+    qkv = rows.linear(h, p.w_qkv, p.b_qkv)
+    x = x + rows.linear(rows.each(lambda seg, part: _attend(part, cfg, seg, li), qkv), p.wo, p.bo)
+    h = layer_norm(x, p.ln2_w, p.ln2_b, cfg.norm_eps)
+    return x + rows.linear(F.gelu(rows.linear(h, p.w_fc, p.b_fc), approximate="tanh"), p.w_proj, p.b_proj)
+
+
+def _attend(qkv: torch.Tensor, cfg: ModelConfig, seg, li: int) -> torch.Tensor:
     from meshd.shard.llama import attention
 
-    n, nh, hd = x.shape[1], cfg.n_heads, cfg.head_dim
-    h = layer_norm(x, p.ln1_w, p.ln1_b, cfg.norm_eps)
-    q, k, v = linear(h, p.w_qkv, p.b_qkv).split(nh * hd, dim=-1)
-    q, k, v = (t.view(1, n, nh, hd).transpose(1, 2) for t in (q, k, v))
-    keys, values = kv.append(li, k, v, pos)
-    attn = attention(q, keys, values, pos)
-    x = x + linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo, p.bo)
-    h = layer_norm(x, p.ln2_w, p.ln2_b, cfg.norm_eps)
-    return x + linear(F.gelu(linear(h, p.w_fc, p.b_fc), approximate="tanh"), p.w_proj, p.b_proj)
+    n, nh, hd = seg.n, cfg.n_heads, cfg.head_dim
+    q, k, v = (t.view(1, n, nh, hd).transpose(1, 2) for t in qkv.split(nh * hd, dim=-1))
+    keys, values = seg.kv.append(li, k, v, seg.position)
+    return attention(q, keys, values, seg.position).transpose(1, 2).reshape(1, n, nh * hd)
 
 
 def tensor_names(kind: str, cfg: ModelConfig, i: int) -> list[str]:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from meshd.shard.config import ModelConfig
-from meshd.shard.linear import Weight, linear, load_matrix, load_table, lookup
+from meshd.shard.linear import Weight, load_matrix, load_table, lookup
+from meshd.shard.rows import Rows, Segment
 
 
 @dataclass
@@ -121,23 +122,37 @@ class Rotary:
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, kv, li: int,
-                  pos: int) -> torch.Tensor:
-    """One decoder layer over x [1, n, hidden] at positions pos..pos+n-1; appends to kv layer li."""
-    n = x.shape[1]
-    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, rows: Rows,
+                  li: int) -> torch.Tensor:
+    """One decoder layer over x [1, R, hidden], the stacked positions of `rows`' sessions; appends
+    to each session's KV layer li."""
+    nh, hd = cfg.n_heads, cfg.head_dim
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
-    qkv = linear(h, p.wqkv, p.bqkv)
-    v = qkv[..., (nh + nkv) * hd:]
-    qk = rotary.apply(qkv[..., :(nh + nkv) * hd].view(1, n, nh + nkv, hd).transpose(1, 2), pos)
-    q, k = qk[:, :nh], qk[:, nh:]
-    v = v.view(1, n, nkv, hd).transpose(1, 2)
-    keys, values = kv.append(li, k, v, pos)
-    attn = attention(q if q.dtype == keys.dtype else q.to(keys.dtype), keys, values, pos)
-    x = x + linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo)
+    qkv = rows.linear(h, p.wqkv, p.bqkv)
+    attn = rows.each(lambda seg, part: self_attention(part, cfg, rotary, seg, li), qkv)
+    x = x + rows.linear(attn, p.wo)
     h = rms_norm(x, p.ffn_norm, cfg.norm_eps)
-    gate, up = linear(h, p.w_gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, p.w_down)
+    gate, up = rows.linear(h, p.w_gate_up).chunk(2, dim=-1)
+    return x + rows.linear(F.silu(gate) * up, p.w_down)
+
+
+def self_attention(qkv: torch.Tensor, cfg: ModelConfig, rotary: Rotary, seg: Segment, li: int,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """One session's attention: its fused q|k|v rows [1, n, ...] in, [1, n, heads * head_dim] out.
+    Qwen3 RMS-normalises q and k per head (`q_norm`, `k_norm`) before RoPE."""
+    n, pos = seg.n, seg.position
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    v = qkv[..., (nh + nkv) * hd:].view(1, n, nkv, hd).transpose(1, 2)
+    if q_norm is None:
+        qk = rotary.apply(qkv[..., :(nh + nkv) * hd].view(1, n, nh + nkv, hd).transpose(1, 2), pos)
+        q, k = qk[:, :nh], qk[:, nh:]
+    else:
+        q = rms_norm(qkv[..., :nh * hd].view(1, n, nh, hd), q_norm, cfg.norm_eps)
+        k = rms_norm(qkv[..., nh * hd:(nh + nkv) * hd].view(1, n, nkv, hd), k_norm, cfg.norm_eps)
+        q, k = rotary.apply(q.transpose(1, 2), pos), rotary.apply(k.transpose(1, 2), pos)
+    keys, values = seg.kv.append(li, k, v, pos)
+    attn = attention(q if q.dtype == keys.dtype else q.to(keys.dtype), keys, values, pos)
+    return attn.transpose(1, 2).reshape(1, n, nh * hd)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
@@ -176,8 +191,9 @@ def load_tail(artifact, recipe, head: dict | None = None) -> dict:
     return {"final_norm": torch.from_numpy(artifact.read(names["final_norm"])).float(), "lm_head": lm_head}
 
 
-def final(tail: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    return linear(rms_norm(x, tail["final_norm"], cfg.norm_eps), tail["lm_head"])
+def final(tail: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelConfig, rows: Rows) -> torch.Tensor:
+    """Logits [1, sessions, vocab] of the last rows x [1, sessions, hidden] (one row a session)."""
+    return rows.linear(rms_norm(x, tail["final_norm"], cfg.norm_eps), tail["lm_head"])
 
 
 def tensor_names(kind: str, cfg: ModelConfig, i: int) -> list[str]:

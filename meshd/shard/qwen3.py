@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from meshd.shard import llama
 from meshd.shard.config import ModelConfig
 from meshd.shard.linear import Weight, linear, load_expert_matrices, load_matrix, weight_tensors
+from meshd.shard.rows import Rows, row_invariant
 
 # shared with Llama: same names and math for these parts
 global_names, load_head, embed, load_tail, final = (llama.global_names, llama.load_head, llama.embed,
@@ -33,9 +34,14 @@ class DenseMLP:
     def tensors(self) -> list[torch.Tensor]:
         return weight_tensors(self.w_gate_up) + weight_tensors(self.w_down)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, self.w_gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w_down)
+    def row_invariant(self) -> bool:
+        return row_invariant(self.w_gate_up) and row_invariant(self.w_down)
+
+    def __call__(self, h: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """h's rows through the MLP; `rows` says which sessions they belong to (None: one matmul)."""
+        mm = linear if rows is None else rows.linear
+        gate, up = mm(h, self.w_gate_up).chunk(2, dim=-1)
+        return mm(F.silu(gate) * up, self.w_down)
 
 
 @dataclass
@@ -48,7 +54,14 @@ class MoE:
     def tensors(self) -> list[torch.Tensor]:
         return weight_tensors(self.router) + [t for e in self.experts for t in e.tensors()]
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Each row through its top-k experts. An expert's matmul takes the rows routed to it, a
+        count that depends on the batch: all rows at once only where the kernels are row-invariant."""
+        if row_invariant(self.router) and all(e.row_invariant() for e in self.experts):
+            return self._rows(h)
+        return rows.each(lambda _, part: self._rows(part), h)
+
+    def _rows(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
         probs = torch.softmax(linear(flat, self.router).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -120,18 +133,11 @@ def load_layer(artifact, i: int, recipe) -> Qwen3Layer:
                       ffn_norm=vector("ffn_norm"), mlp=mlp)
 
 
-def layer_forward(p: Qwen3Layer, x: torch.Tensor, cfg: ModelConfig, rotary: llama.Rotary, kv, li: int,
-                  pos: int) -> torch.Tensor:
-    """One decoder layer over x [1, n, hidden] at positions pos..pos+n-1; appends to kv layer li."""
-    n = x.shape[1]
-    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+def layer_forward(p: Qwen3Layer, x: torch.Tensor, cfg: ModelConfig, rotary: llama.Rotary, rows: Rows,
+                  li: int) -> torch.Tensor:
+    """One decoder layer over x [1, R, hidden], the stacked positions of `rows`' sessions."""
     h = llama.rms_norm(x, p.attn_norm, cfg.norm_eps)
-    qkv = linear(h, p.wqkv)
-    q = llama.rms_norm(qkv[..., :nh * hd].view(1, n, nh, hd), p.q_norm, cfg.norm_eps)
-    k = llama.rms_norm(qkv[..., nh * hd:(nh + nkv) * hd].view(1, n, nkv, hd), p.k_norm, cfg.norm_eps)
-    v = qkv[..., (nh + nkv) * hd:].view(1, n, nkv, hd).transpose(1, 2)
-    q, k = rotary.apply(q.transpose(1, 2), pos), rotary.apply(k.transpose(1, 2), pos)
-    keys, values = kv.append(li, k, v, pos)
-    attn = llama.attention(q if q.dtype == keys.dtype else q.to(keys.dtype), keys, values, pos)
-    x = x + linear(attn.transpose(1, 2).reshape(1, n, nh * hd), p.wo)
-    return x + p.mlp(llama.rms_norm(x, p.ffn_norm, cfg.norm_eps))
+    qkv = rows.linear(h, p.wqkv)
+    attn = rows.each(lambda seg, part: llama.self_attention(part, cfg, rotary, seg, li, p.q_norm, p.k_norm), qkv)
+    x = x + rows.linear(attn, p.wo)
+    return x + p.mlp(llama.rms_norm(x, p.ffn_norm, cfg.norm_eps), rows)

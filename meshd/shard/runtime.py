@@ -19,8 +19,9 @@ from meshd.log import get_logger
 from meshd.shard import gpt2, llama, qwen3
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
-from meshd.shard.kv import KVStore
+from meshd.shard.kv import CacheMiss, KVBudgetExceeded, KVStore
 from meshd.shard.recipe import EXACT, Recipe
+from meshd.shard.rows import Rows
 
 @dataclass(frozen=True, slots=True)
 class Owns:
@@ -147,30 +148,10 @@ class Shard:
         x: token ids [1, n] for the head, hidden states [1, n, hidden] otherwise. Returns hidden
         states [1, n, hidden], or for the tail the logits of the last position [vocab] (float32).
         """
-        kv = self.kv.get(key)
-        first, last = self._ranges.get(key, (self.start, self.end))
-        compute = self.recipe.torch_compute
-        with torch.inference_mode():
-            if first == 0:
-                if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
-                    raise ValueError(f"the head takes token ids [1, n], got {x.dtype} {tuple(x.shape)}")
-                if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab):
-                    raise ValueError(f"token ids must be in [0, {self.config.vocab})")
-                h = self.family.embed(self.head, x.long(), position, compute)
-            else:
-                if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden:
-                    raise ValueError(f"expected hidden states [1, n, {self.config.hidden}], got {tuple(x.shape)}")
-                h = x.to(compute)
-            n = h.shape[1]
-            if n == 0:
-                raise ValueError("nothing to run: zero positions")
-            kv.reserve(position, n)
-            for li, layer in enumerate(self.layers[first - self.start:last - self.start]):
-                h = self.family.layer_forward(layer, h, self.config, self.rotary, kv, li, position)
-            kv.commit(position + n)
-            if last == self.config.n_layers:
-                return self.family.final(self.tail, h[:, -1:], self.config).float().reshape(-1)
-            return h
+        out = self.forward_batch([(key, x, position)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     prefill = forward
 
@@ -179,3 +160,60 @@ class Shard:
         if x.shape[1] != 1:
             raise ValueError(f"a decode step carries one position, got {x.shape[1]}")
         return self.forward(key, x, position)
+
+    def forward_batch(self, jobs: list[tuple[Hashable, torch.Tensor, int]]) -> list[torch.Tensor | Exception]:
+        """`forward` for several sessions in one pass: (key, x, position) each, at most one job a
+        session. Their rows go through the layers stacked (see `rows.Rows`), so each result is
+        bit for bit what the session gets alone. A job that cannot run (unknown session, bad
+        input, KV budget full) gets its exception in its place; the others run."""
+        results: list[torch.Tensor | Exception | None] = [None] * len(jobs)
+        groups: dict[tuple[int, int], list[tuple[int, object, torch.Tensor, int]]] = {}
+        with torch.inference_mode():
+            seen = set()
+            for i, (key, x, position) in enumerate(jobs):
+                try:
+                    if key in seen:
+                        raise ValueError(f"session {key!r} appears twice in one batch")
+                    seen.add(key)
+                    kv = self.kv.get(key)
+                    first, last = self._ranges.get(key, (self.start, self.end))
+                    h = self._input(x, first, position)
+                    kv.reserve(position, h.shape[1])
+                    groups.setdefault((first, last), []).append((i, kv, h, position))
+                except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
+                    results[i] = exc
+            for (first, last), members in groups.items():  # sessions entering or leaving mid-range apart
+                self._run(first, last, members, results)
+        return results  # type: ignore[return-value]
+
+    def _input(self, x: torch.Tensor, first: int, position: int) -> torch.Tensor:
+        """A job's input as the first layer takes it: embedded token ids, or hidden states."""
+        if first == 0:
+            if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"the head takes token ids [1, n], got {x.dtype} {tuple(x.shape)}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab):
+                raise ValueError(f"token ids must be in [0, {self.config.vocab})")
+            h = self.family.embed(self.head, x.long(), position, self.recipe.torch_compute)
+        else:
+            if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden:
+                raise ValueError(f"expected hidden states [1, n, {self.config.hidden}], got {tuple(x.shape)}")
+            h = x.to(self.recipe.torch_compute)
+        if h.shape[1] == 0:
+            raise ValueError("nothing to run: zero positions")
+        return h
+
+    def _run(self, first: int, last: int, members: list, results: list) -> None:
+        rows = Rows.stack([(kv, position, h.shape[1]) for _, kv, h, position in members])
+        h = torch.cat([m[2] for m in members], dim=1) if len(members) > 1 else members[0][2]
+        for li, layer in enumerate(self.layers[first - self.start:last - self.start]):
+            h = self.family.layer_forward(layer, h, self.config, self.rotary, rows, li)
+        for (_, kv, _, position), seg in zip(members, rows.segments):
+            kv.commit(position + seg.n)
+        if last == self.config.n_layers:
+            ones = Rows.stack([(None, 0, 1)] * len(members))
+            logits = self.family.final(self.tail, rows.last_rows(h), self.config, ones).float()
+            for j, (i, *_rest) in enumerate(members):
+                results[i] = logits[0, j]
+        else:
+            for (i, *_rest), part in zip(members, rows.split(h)):
+                results[i] = part

@@ -1,0 +1,140 @@
+"""Which sessions' work goes into a shard's next forward pass: pure bookkeeping, no tensors, no I/O.
+
+Rules: each session's work runs in the order it arrived, one piece a pass (its next piece needs the
+KV the previous one writes). A pass takes the waiting decode steps of all sessions first (one row
+each, up to `max_batch`), then prefill chunks in arrival order while they fit in `token_budget`
+rows, so a long prompt rides along with everybody's decode instead of stalling it; one prefill
+chunk always gets in, so prompts progress under any decode load. Past `max_queued` pieces waiting,
+new work is refused at once (`QueueFull`) rather than queued without bound.
+
+The caller's loop, as vLLM's scheduler has it: `batch = schedule()`; run the batch;
+`update_from_output(batch, outputs)` hands each piece its output and frees its session for the
+next pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+TOKEN_BUDGET = 256  # rows of one pass beyond its decode steps: two 128-token prefill chunks
+MAX_BATCH = 64  # sessions in one pass
+MAX_QUEUED = 1024  # pieces of work waiting
+
+
+class QueueFull(RuntimeError):
+    """This shard has as much work waiting as it accepts."""
+
+
+@dataclass(eq=False)
+class Work:
+    key: Hashable  # the session
+    rows: int  # positions it adds to a pass
+    decode: bool  # one decode step (else a prefill chunk)
+    payload: Any = None  # what the caller needs to run and answer it
+    seq: int = 0  # arrival order
+    output: Any = None
+    done: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    passes: int = 0
+    rows: int = 0
+    sessions: int = 0  # summed over passes: sessions / passes is the mean batch size
+    largest: int = 0  # most sessions in one pass
+    refused: int = 0  # work refused because the queue was full
+
+    def as_dict(self) -> dict:
+        return {"passes": self.passes, "rows": self.rows, "largest_batch": self.largest, "refused": self.refused,
+                "mean_batch": round(self.sessions / self.passes, 2) if self.passes else None}
+
+
+@dataclass
+class Scheduler:
+    token_budget: int = TOKEN_BUDGET
+    max_batch: int = MAX_BATCH
+    max_queued: int = MAX_QUEUED
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        self._queues: dict[Hashable, deque[Work]] = {}
+        self._running: set[Hashable] = set()
+        self._seq = itertools.count()
+        self.queued = 0
+
+    def submit(self, key: Hashable, rows: int, decode: bool, payload: Any = None) -> Work:
+        if self.queued >= self.max_queued:
+            self.stats.refused += 1
+            raise QueueFull(f"{self.queued} pieces of work already wait at this shard")
+        work = Work(key, rows, decode, payload, next(self._seq))
+        self._queues.setdefault(key, deque()).append(work)
+        self.queued += 1
+        return work
+
+    def has_work(self) -> bool:
+        return any(q and key not in self._running for key, q in self._queues.items())
+
+    def schedule(self) -> list[Work]:
+        """The next pass: decode steps first, then prefill chunks under the token budget."""
+        heads = sorted((q[0] for key, q in self._queues.items() if q and key not in self._running),
+                       key=lambda w: w.seq)
+        batch = [w for w in heads if w.decode][:self.max_batch]
+        budget = self.token_budget
+        prefilling = False
+        for w in heads:
+            if w.decode or len(batch) >= self.max_batch:
+                continue
+            if prefilling and w.rows > budget:
+                continue  # a smaller chunk further back may still fit
+            batch.append(w)
+            budget -= w.rows
+            prefilling = True
+        for w in batch:
+            self._queues[w.key].popleft()
+            self._running.add(w.key)
+        self.queued -= len(batch)
+        if batch:
+            self.stats.passes += 1
+            self.stats.rows += sum(w.rows for w in batch)
+            self.stats.sessions += len(batch)
+            self.stats.largest = max(self.stats.largest, len(batch))
+        return batch
+
+    def update_from_output(self, batch: list[Work], outputs: list[Any]) -> list[Work]:
+        """Hand each piece of a pass its output; their sessions may run again. Returns the pieces."""
+        if len(batch) != len(outputs):
+            raise ValueError(f"{len(outputs)} outputs for a pass of {len(batch)}")
+        for w, out in zip(batch, outputs):
+            w.output, w.done = out, True
+            self._running.discard(w.key)
+            if not self._queues.get(w.key):
+                self._queues.pop(w.key, None)
+        return batch
+
+    def cancel(self, key: Hashable) -> list[Work]:
+        """Drop a session's waiting work (its session closed); returns what was dropped."""
+        dropped = list(self._queues.get(key, ()))
+        if key in self._queues and key not in self._running:
+            del self._queues[key]
+        elif key in self._queues:
+            self._queues[key].clear()
+        self.queued -= len(dropped)
+        return dropped
+
+    def withdraw(self, work: Work) -> bool:
+        """Take back one piece not yet scheduled (its caller gave up); False if it already ran or runs."""
+        q = self._queues.get(work.key)
+        if q is None or work not in q:
+            return False
+        q.remove(work)
+        self.queued -= 1
+        if not q and work.key not in self._running:
+            del self._queues[work.key]
+        return True
+
+    def waiting(self) -> int:
+        """Sessions with work waiting."""
+        return sum(1 for q in self._queues.values() if q)

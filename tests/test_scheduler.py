@@ -1,0 +1,116 @@
+"""The batching scheduler with made-up outputs: which work shares a pass, in what order, within what bounds."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshd.shard.scheduler import QueueFull, Scheduler
+
+
+def run(sched, batch):
+    """Pretend to compute: every piece's output names it."""
+    return sched.update_from_output(batch, [(w.key, w.payload) for w in batch])
+
+
+def test_decode_steps_of_all_sessions_share_one_pass():
+    s = Scheduler()
+    for k in range(8):
+        s.submit(k, 1, True, "step0")
+    batch = s.schedule()
+    assert sorted(w.key for w in batch) == list(range(8))
+    assert s.schedule() == []  # every session is running: nothing else may start
+    done = run(s, batch)
+    assert all(w.done and w.output == (w.key, "step0") for w in done)
+    assert s.stats.as_dict()["mean_batch"] == 8 and s.stats.largest == 8
+
+
+def test_a_session_runs_its_work_in_order_one_piece_a_pass():
+    s = Scheduler()
+    s.submit("a", 128, False, 0)
+    s.submit("a", 128, False, 1)
+    s.submit("a", 1, True, 2)
+    order = []
+    while s.has_work():
+        batch = s.schedule()
+        assert len(batch) == 1
+        order += [w.payload for w in run(s, batch)]
+    assert order == [0, 1, 2]
+
+
+def test_prefill_rides_along_with_decodes_under_the_budget():
+    s = Scheduler(token_budget=256, max_batch=64)
+    for k in range(10):
+        s.submit(("dec", k), 1, True)
+    for k in range(4):
+        s.submit(("pre", k), 128, False)
+    batch = s.schedule()
+    decodes = [w for w in batch if w.decode]
+    prefills = [w for w in batch if not w.decode]
+    assert len(decodes) == 10
+    assert [w.key for w in prefills] == [("pre", 0), ("pre", 1)]  # 256 rows of chunks, in arrival order
+
+
+def test_one_prefill_chunk_always_gets_in():
+    s = Scheduler(token_budget=16, max_batch=4)
+    s.submit("long", 128, False)
+    for k in range(3):
+        s.submit(k, 1, True)
+    batch = s.schedule()
+    assert {w.key for w in batch} == {0, 1, 2, "long"}
+
+
+def test_decode_steps_first_when_the_batch_is_full():
+    s = Scheduler(max_batch=3)
+    s.submit("p", 10, False)
+    for k in range(5):
+        s.submit(k, 1, True)
+    assert [w.key for w in s.schedule()] == [0, 1, 2]
+
+
+def test_full_queue_refuses_at_once():
+    s = Scheduler(max_queued=3)
+    for k in range(3):
+        s.submit(k, 1, True)
+    with pytest.raises(QueueFull):
+        s.submit(9, 1, True)
+    assert s.stats.refused == 1
+    run(s, s.schedule())
+    s.submit(9, 1, True)  # room again once work ran
+
+
+def test_cancel_and_withdraw_drop_waiting_work_only():
+    s = Scheduler()
+    a0 = s.submit("a", 1, True)
+    a1 = s.submit("a", 1, True)
+    b0 = s.submit("b", 1, True)
+    batch = s.schedule()
+    assert set(batch) == {a0, b0}
+    assert not s.withdraw(a0)  # already running
+    assert s.withdraw(a1) and s.queued == 0
+    s.submit("b", 1, True)
+    assert len(s.cancel("b")) == 1 and s.queued == 0
+    run(s, batch)
+    assert not s.has_work() and s.waiting() == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.booleans(), st.integers(1, 200)), min_size=1, max_size=60),
+       st.integers(1, 8), st.integers(1, 300))
+def test_every_piece_runs_once_in_session_order(arrivals, max_batch, budget):
+    s = Scheduler(token_budget=budget, max_batch=max_batch)
+    submitted: dict = {}
+    for i, (key, decode, rows) in enumerate(arrivals):
+        s.submit(key, 1 if decode else rows, decode, i)
+        submitted.setdefault(key, []).append(i)
+    ran: dict = {}
+    for _ in range(len(arrivals)):
+        batch = s.schedule()
+        if not batch:
+            break
+        keys = [w.key for w in batch]
+        assert len(keys) == len(set(keys)) <= max_batch
+        prefill_rows = [w.rows for w in batch if not w.decode]
+        assert len(prefill_rows) <= 1 or sum(prefill_rows) <= budget
+        for w in run(s, batch):
+            ran.setdefault(w.key, []).append(w.payload)
+    assert ran == submitted and s.queued == 0
