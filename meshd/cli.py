@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      " 127.0.0.1:8080 keeps it on this machine)")
     join.add_argument("--http-token", help="bearer token HTTP clients must send")
     join.add_argument("--http-token-file", help="file holding the bearer token")
+    join.add_argument("--kv-budget", type=int, help="bytes of KV cache for all sessions (default 1 GiB)")
+    join.add_argument("--max-sessions", type=int, help="sessions held at once; more are refused as busy (default 64)")
+    join.add_argument("--max-queue", type=int, help="frames waiting for compute; more are refused as busy"
+                      " (default 1024)")
+    join.add_argument("--busy-wait", type=float, help="seconds a generation waits for room in a full mesh"
+                      " before failing with 'mesh busy' (default 30)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -40,6 +40,7 @@ from meshd.shard.endpoint import ShardEndpoint
 from meshd.shard.footprint import check_fits, layer_bytes, rss_bytes, trim_heap, weight_bytes
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
+from meshd.shard.scheduler import Scheduler
 
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
 log = get_logger(__name__)
@@ -168,8 +169,9 @@ class Daemon:
             return {}
         if self.service.decode_layer_rate:
             self.throughput = self.service.decode_layer_rate
-        kv = self.shard.kv
-        free = max(0, (kv.budget_bytes - kv.used_bytes) // self._session_bytes())
+        kv, ep = self.shard.kv, self.service.endpoint
+        room = (kv.budget_bytes - sum(ep.promised.values())) // self._session_bytes()
+        free = max(0, min(ep.max_sessions - len(ep.sessions), room))
         return {"throughput": self.throughput, "free_sessions": int(free),
                 "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0}
 
@@ -192,12 +194,13 @@ class Daemon:
             return shard, tokenizer
 
         self.shard, self.tokenizer = await self.compute.run(load)
-        self.service = ShardService(ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp),
-                                    self.compute)
-        self.service.on_step = self.metrics.step.observe
+        endpoint = ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp,
+                                 max_sessions=self.settings.max_sessions)
+        self.service = ShardService(endpoint, self.compute, Scheduler(max_queued=self.settings.max_queue))
+        self.service.on_step = self.metrics.observe_pass
         self.throughput = await self.compute.run(self._measure_throughput)
         if self.shard.is_head:
-            self.entry = Entry(self)
+            self.entry = Entry(self, busy_wait_s=self.settings.busy_wait)
 
     def _measure_throughput(self) -> float:
         """Layer-steps per second of a decode step on this machine (advertised for routing)."""
@@ -254,6 +257,11 @@ class Daemon:
             "http": self.http_addrs,
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
+            "queue": self.service.scheduler.queued if self.service else 0,
+            "batches": self.service.scheduler.stats.as_dict() if self.service else {},
+            "busy_refusals": (self.service.endpoint.refused + self.service.scheduler.stats.refused
+                              if self.service else 0),
+            "max_sessions": self.settings.max_sessions,
             "compute_busy_s": round(self.compute.busy_s, 3),
             "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
                        "addrs": list(r.addrs), "throughput": round(r.throughput, 1),

@@ -38,14 +38,25 @@ REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
 HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
 SILENT_S = 1.5  # a hop that answers nothing (no ping, no frame) for this long is failed: a frozen hop
 # costs the client under 2.5 s, with a margin for event loops slowed by a loaded machine
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # routes tried after hop failures (busy hops do not count)
+BUSY_WAIT_S = 30.0  # how long a generation waits for a full mesh before "mesh busy"
+BUSY_RETRY_S = 0.5  # the wait before trying a full mesh again, when a busy hop gives no hint
 log = get_logger(__name__)
 
 
 class HopFailed(RuntimeError):
-    def __init__(self, peer_id: str, reason: str, retriable: bool = True):
+    def __init__(self, peer_id: str, reason: str, retriable: bool = True, busy_s: float | None = None):
         self.peer_id, self.retriable = peer_id, retriable
-        super().__init__(f"hop {peer_id[-8:]} failed: {reason}")
+        self.busy_s = busy_s  # set when the hop is alive but full: try again after this long
+        super().__init__(f"hop {peer_id[-8:]} {'is busy' if busy_s is not None else 'failed'}: {reason}")
+
+
+def hop_error(peer_id: str, err: Error, retriable: bool = False) -> HopFailed:
+    """The HopFailed an Error frame from a hop means: `busy` is not a failure of the hop."""
+    if err.code == ErrorCode.BUSY:
+        return HopFailed(peer_id, err.message, busy_s=err.retry_after_s or BUSY_RETRY_S)
+    return HopFailed(peer_id, f"{err.code}: {err.message}",
+                     retriable=retriable or err.retriable or err.code == ErrorCode.UNKNOWN_SESSION)
 
 
 class GenerationError(RuntimeError):
@@ -81,8 +92,9 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
 class Entry:
     """Runs generations for a daemon that serves layer 0."""
 
-    def __init__(self, daemon) -> None:
+    def __init__(self, daemon, busy_wait_s: float = BUSY_WAIT_S) -> None:
         self.daemon = daemon
+        self.busy_wait_s = busy_wait_s
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         d = self.daemon
@@ -100,20 +112,40 @@ class Entry:
         text = TextStream(d.tokenizer)
         progress = Progress()
         t0 = time.perf_counter()
-        exclude: set[str] = set()
-        for attempt in range(MAX_ATTEMPTS):
+        exclude: set[str] = set()  # hops that failed: not tried again by this generation
+        busy: set[str] = set()  # hops that said they are full: skipped until the next wait
+        failures, epoch = 0, 0
+        deadline = trio.current_time() + self.busy_wait_s
+        while True:
             try:
                 try:
-                    await self._attempt(req, ids, max_tokens, eos, attempt, exclude, progress, text, emit)
+                    await self._attempt(req, ids, max_tokens, eos, epoch, exclude | busy, progress, text, emit)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
             except HopFailed as exc:
-                log.warning("hop failed, rerouting", error=str(exc), attempt=attempt)
-                if not exc.retriable or attempt == MAX_ATTEMPTS - 1:
+                epoch += 1
+                if exc.busy_s is not None:  # alive but full: another route now, else wait below
+                    log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
+                    busy.add(exc.peer_id)
+                    continue
+                log.warning("hop failed, rerouting", error=str(exc), attempt=failures)
+                failures += 1
+                if not exc.retriable or failures == MAX_ATTEMPTS:
                     raise GenerationError(ErrorCode.HOP_FAILED, str(exc)) from None
                 exclude.add(exc.peer_id)
                 progress.reroutes += 1  # replan at once from the records at hand, without that peer
+            except GenerationError as exc:
+                # every route left runs through a full hop, or this daemon's own layers are full
+                if not (exc.code == ErrorCode.BUSY or (exc.code == ErrorCode.NO_ROUTE and busy)):
+                    raise
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    raise GenerationError(ErrorCode.BUSY, f"mesh busy: no route had room for {self.busy_wait_s:.0f} s"
+                                          f" ({len(busy)} busy hops; {exc})") from None
+                epoch += 1
+                await trio.sleep(min(left, BUSY_RETRY_S))
+                busy.clear()
         end = time.perf_counter()
         n = len(progress.tokens)
         first = progress.first_token_at or end
@@ -185,7 +217,7 @@ class Entry:
         d = self.daemon
         reply = await d.service.handle(self._open_msg(sid, epoch, 0, d.shard.end, req, len(ids) + max_tokens))
         if not isinstance(reply[0], Opened):
-            raise GenerationError(reply[0].code, reply[0].message)
+            raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
 
     def _open_msg(self, sid, epoch, start, end, req, max_length) -> OpenSession:
         d = self.daemon
@@ -208,8 +240,7 @@ class Entry:
         except Exception as exc:  # libp2p dial and negotiation errors
             raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}") from None
         if isinstance(reply, Error):
-            raise HopFailed(hop.peer_id, f"{reply.code}: {reply.message}", retriable=reply.retriable or
-                            reply.code in (ErrorCode.BUSY, ErrorCode.UNKNOWN_SESSION))
+            raise hop_error(hop.peer_id, reply)
         if not isinstance(reply, Opened):
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
         return channel
@@ -258,8 +289,8 @@ class Attempt:
             self.heard[peer] = trio.current_time()
             if isinstance(msg, Heartbeat):
                 continue
-            if isinstance(msg, Error):
-                raise HopFailed(peer, f"{msg.code}: {msg.message}", retriable=True)
+            if isinstance(msg, Error):  # mid-generation: another route may well do
+                raise hop_error(peer, msg, retriable=True)
             if isinstance(msg, (Token, Forward)):
                 self.pending[peer] -= 1
             if isinstance(msg, Token):

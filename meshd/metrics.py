@@ -33,9 +33,15 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.step = Histogram("meshd_compute_step_seconds", "Tensor work per step of this daemon's layers",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("meshd_batch_sessions", "Sessions sharing one forward pass of this daemon's layers",
+                               buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.hop_failures = Counter("meshd_hop_failures", "Hops that failed under a generation", registry=r)
         self.reroutes = Counter("meshd_reroutes", "Generations moved to a new route", registry=r)
         r.register(_Live(daemon))
+
+    def observe_pass(self, seconds: float, sessions: int) -> None:
+        self.step.observe(seconds)
+        self.batch.observe(sessions)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -93,7 +99,10 @@ class _Live:
                   "meshd_resident_bytes": ("Resident memory of the process", st.get("rss_bytes", 0)),
                   "meshd_peers_known": ("Live records of other daemons", len(st["peers"])),
                   "meshd_layers_uncovered": ("Layers no live daemon serves", sum(b - a for a, b in st["gaps"])),
-                  "meshd_generations_active": ("Generations running now", st["generations"])}
+                  "meshd_generations_active": ("Generations running now", st["generations"]),
+                  "meshd_queue_frames": ("Forward frames waiting for a pass", st.get("queue", 0)),
+                  "meshd_busy_refusals": ("Sessions and frames refused as busy, since start",
+                                          st.get("busy_refusals", 0))}
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         traffic = CounterMetricFamily("meshd_stream_bytes", "Bytes on meshd streams, by protocol and direction",

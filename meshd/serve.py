@@ -1,7 +1,7 @@
 """Serving a shard over streams: one long-lived stream per session hop, frames in, frames out.
 
-Rules: tensor work runs on the daemon's compute executor, one job at a time in arrival order, so
-the event loop keeps reading every stream; a stream's sessions are released when the stream ends, however
+Rules: tensor work runs on the daemon's compute executor, one job at a time, so the event loop keeps
+reading every stream; the Forward frames of all sessions waiting at once share one forward pass; a stream's sessions are released when the stream ends, however
 it ends, so a vanished entry never leaves KV behind; every failure goes back as an `Error` frame.
 """
 
@@ -17,7 +17,8 @@ from meshd.gen import SHARD_PROTOCOL
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.endpoint import ShardEndpoint
-from meshd.wire import (Cancel, Close, Error, ErrorCode, Heartbeat, Hello, Message, OpenSession,
+from meshd.shard.scheduler import QueueFull, Scheduler
+from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Heartbeat, Hello, Message, OpenSession,
                         Phase, UnsupportedVersion, WireError)
 
 IDLE_TIMEOUT = 300.0
@@ -26,34 +27,97 @@ log = get_logger(__name__)
 
 
 class ShardService:
-    def __init__(self, endpoint: ShardEndpoint, compute: ComputeExecutor) -> None:
+    """A shard's work for all its sessions: Forward frames go through the batching scheduler, so the
+    waiting work of every session (remote hops and the entry's own layers alike) shares one forward
+    pass; other messages run on the compute thread in arrival order.
+
+    There is no batching task: whoever waits for work while no pass runs runs the next pass (and
+    every waiting piece has a waiter), so passes follow each other while work waits, and an idle
+    shard does nothing at all."""
+
+    def __init__(self, endpoint: ShardEndpoint, compute: ComputeExecutor, scheduler: Scheduler | None = None) -> None:
         self.endpoint = endpoint
         self.compute = compute
+        self.scheduler = scheduler or Scheduler()
         self.compute_s = 0.0  # time spent in tensor work, for status and benchmarks
         self.steps = 0
-        self.on_step = None  # called with each step's compute seconds (metrics)
+        self.on_step = None  # called with each pass's compute seconds and its size (metrics)
         self.decode_layer_rate: float | None = None  # moving average of layer-steps/s on real decode steps
+        self.pass_s: float | None = None  # moving average of a pass's seconds (the retry hint of a busy reply)
+        self._stepping = False
+        self._step_done = trio.Event()
 
     async def handle(self, msg: Message) -> list[Message]:
-        """Answer one message on the compute thread (in arrival order)."""
-        if isinstance(msg, (OpenSession, Close, Cancel)):
-            return await self.compute.run(self.endpoint.handle, msg)
-        t0 = time.perf_counter()
+        """Answer one message: a Forward joins the next pass it can, the rest run in order."""
+        if isinstance(msg, Forward):
+            return await self._forward(msg)
+        if isinstance(msg, (Close, Cancel)):
+            self.scheduler.cancel((msg.session_id, msg.epoch))
+        return await self.compute.run(self.endpoint.handle, msg)
+
+    async def _forward(self, msg: Forward) -> list[Message]:
+        shape = msg.tensors[0].shape if msg.tensors else ()
+        rows = shape[1] if len(shape) >= 2 else 1
         try:
-            return await self.compute.run(self.endpoint.handle, msg)
+            work = self.scheduler.submit((msg.session_id, msg.epoch), rows, msg.phase == Phase.DECODE, msg)
+        except QueueFull as exc:
+            return [Error(code=ErrorCode.BUSY, message=str(exc), retriable=True, session_id=msg.session_id,
+                          retry_after_s=self.retry_hint())]
+        try:
+            while not work.done:
+                if self._stepping:
+                    await self._step_done.wait()
+                else:
+                    await self._step()
         finally:
-            took = time.perf_counter() - t0
-            self.compute_s += took
-            self.steps += 1
-            if self.on_step is not None:
-                self.on_step(took)
-            if getattr(msg, "phase", None) == Phase.DECODE and took > 0:
-                rate = (self.endpoint.shard.end - self.endpoint.shard.start) / took
-                old = self.decode_layer_rate
-                self.decode_layer_rate = rate if old is None else 0.9 * old + 0.1 * rate
+            if not work.done:  # the caller gave up (cancelled) before its work ran
+                self.scheduler.withdraw(work)
+        return work.output if work.output is not None else []
+
+    async def _step(self) -> None:
+        """Run one pass of the scheduler's choosing, then wake everyone waiting."""
+        self._stepping = True
+        batch: list = []
+        try:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return
+            t0 = time.perf_counter()
+            try:
+                outputs = await self.compute.run(self.endpoint.forward_batch, [w.payload for w in batch])
+            except Exception as exc:  # a bug in one pass must not take the daemon down
+                log.exception("shard pass failed", sessions=len(batch))
+                outputs = [[Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
+                                  session_id=w.payload.session_id)] for w in batch]
+            self.scheduler.update_from_output(batch, outputs)
+            done, batch = batch, []
+            self._account(time.perf_counter() - t0, done)
+        finally:
+            if batch:  # interrupted before its outputs arrived: its waiters must not wait forever
+                self.scheduler.update_from_output(batch, [[] for _ in batch])
+            self._stepping = False
+            done, self._step_done = self._step_done, trio.Event()
+            done.set()
+
+    def _account(self, took: float, batch: list) -> None:
+        self.compute_s += took
+        self.steps += 1
+        self.pass_s = took if self.pass_s is None else 0.9 * self.pass_s + 0.1 * took
+        if self.on_step is not None:
+            self.on_step(took, len(batch))
+        if took > 0 and all(w.decode for w in batch):
+            rate = (self.endpoint.shard.end - self.endpoint.shard.start) / took
+            old = self.decode_layer_rate
+            self.decode_layer_rate = rate if old is None else 0.9 * old + 0.1 * rate
+
+    def retry_hint(self) -> float:
+        """Seconds after which a refused client may try again: about the time to drain the queue."""
+        per_pass = self.pass_s or 0.05
+        return round(min(5.0, max(0.1, per_pass * self.scheduler.queued / max(1, self.scheduler.max_batch))), 2)
 
     async def release(self, key: tuple[bytes, int]) -> None:
         """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
+        self.scheduler.cancel(key)
         await self.compute.run(self.endpoint.release, key)
 
     async def serve_stream(self, stream) -> None:

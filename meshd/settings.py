@@ -47,7 +47,10 @@ class Settings:
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""
     record_ttl: float = 10.0
-    kv_budget: int = 1 << 30
+    kv_budget: int = 1 << 30  # bytes of KV cache for all sessions together
+    max_sessions: int = 64  # sessions this daemon holds at once; more are answered `busy`
+    max_queue: int = 1024  # forward frames waiting for a pass; more are answered `busy`
+    busy_wait: float = 30.0  # seconds an entry waits for room in a full mesh before "mesh busy"
 
     @property
     def state_path(self) -> Path:

@@ -93,14 +93,18 @@ def test_kv_replay_truncates_and_max_length_is_enforced():
 
 def test_sampler_is_seeded_and_respects_filters():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    draw = lambda p: [Sampler(p).sample(logits)[0] for _ in range(3)]  # noqa: E731
+    draw = lambda p, positions: [Sampler(p).sample(logits, i)[0] for i in positions]  # noqa: E731
     p = SamplingParams(temperature=1.0, top_k=50, seed=7)
-    assert draw(p) == draw(p)
+    assert draw(p, range(20)) == draw(p, range(20))
+    # a draw depends on (seed, position) only: not on what the sampler drew before
+    s = Sampler(p)
+    assert [s.sample(logits, i)[0] for i in (5, 3, 5, 3)] == draw(p, [5, 3, 5, 3]) == draw(p, [5, 3]) * 2
+    assert len(set(draw(p, range(20)))) > 1 and draw(p, range(20)) != draw(SamplingParams(1.0, 50, 1.0, 8), range(20))
     s = Sampler(SamplingParams(temperature=0.8, top_k=5, seed=1))
     top5 = set(torch.topk(logits, 5).indices.tolist())
-    assert {s.sample(logits)[0] for _ in range(200)} <= top5
+    assert {s.sample(logits, i)[0] for i in range(200)} <= top5
     s = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
-    assert {s.sample(logits)[0] for _ in range(20)} == {int(logits.argmax())}
+    assert {s.sample(logits, i)[0] for i in range(20)} == {int(logits.argmax())}
     assert Sampler(SamplingParams()).sample(logits)[0] == int(logits.argmax())
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)

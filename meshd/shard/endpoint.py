@@ -9,7 +9,7 @@ request cannot take down the daemon or touch another session. The tail samples a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,10 +28,22 @@ class SessionState:
     head: bool = False  # the session starts at layer 0 (takes token ids)
 
 
+MAX_SESSIONS = 64
+BUSY_RETRY_S = 1.0  # the hint sent with a refused session: about a short generation's time
+
+
 class ShardEndpoint:
-    def __init__(self, shard: Shard, model_fingerprint: str, recipe_fingerprint: str) -> None:
+    """Admission: at most `max_sessions` sessions, and only as many as the KV budget holds at the
+    length each asks for (its KV is promised at open, so a session admitted never runs out of KV
+    mid-generation). Past either bound, OpenSession gets a retriable `busy` at once."""
+
+    def __init__(self, shard: Shard, model_fingerprint: str, recipe_fingerprint: str,
+                 max_sessions: int = MAX_SESSIONS) -> None:
         self.shard, self.model_fp, self.recipe_fp = shard, model_fingerprint, recipe_fingerprint
+        self.max_sessions = max_sessions
         self.sessions: dict[tuple[bytes, int], SessionState] = {}
+        self.promised: dict[tuple[bytes, int], int] = {}  # KV bytes each open session may grow to
+        self.refused = 0  # sessions refused as busy
 
     def handle(self, msg: Message) -> list[Message]:
         try:
@@ -43,22 +55,36 @@ class ShardEndpoint:
                 self.release((msg.session_id, msg.epoch))
                 return []
             return [Error(code=ErrorCode.BAD_FRAME, message=f"a shard does not take {type(msg).__name__}")]
-        except KVBudgetExceeded as exc:
-            return [self._error(msg, ErrorCode.BUSY, str(exc), retriable=True)]
-        except CacheMiss as exc:
-            return [self._error(msg, ErrorCode.UNKNOWN_SESSION, str(exc), retriable=True)]
-        except (ValueError, TypeError) as exc:
-            return [self._error(msg, ErrorCode.BAD_FRAME, str(exc))]
+        except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:
+            return self._failed(msg, exc)
 
     def release(self, key: tuple[bytes, int]) -> None:
         self.sessions.pop(key, None)
+        self.promised.pop(key, None)
         self.shard.release(key)
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
         evicted = self.shard.evict_expired()
         for key in evicted:
             self.sessions.pop(key, None)
+            self.promised.pop(key, None)
         return evicted
+
+    def admit(self, key: tuple[bytes, int], need: int) -> str | None:
+        """Why a new session needing `need` KV bytes cannot be taken now, or None if it can."""
+        if key in self.sessions:
+            return None  # reopened: it replaces itself
+        if len(self.sessions) >= self.max_sessions:
+            self.evict_expired()
+        if len(self.sessions) >= self.max_sessions:
+            return f"this shard serves {len(self.sessions)} sessions, its limit"
+        budget = self.shard.kv.budget_bytes
+        if sum(self.promised.values()) + need > budget:
+            self.evict_expired()
+        if sum(self.promised.values()) + need > budget:
+            return (f"its KV budget ({budget} bytes) is promised to {len(self.sessions)} sessions;"
+                    f" this one needs {need}")
+        return None
 
     def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
@@ -75,13 +101,44 @@ class ShardEndpoint:
             return [self._error(msg, ErrorCode.BAD_FRAME, f"this shard serves layers [{self.shard.start},"
                                 f" {self.shard.end}), not [{msg.start}, {msg.end})")]
         key = (msg.session_id, msg.epoch)
+        length = min(msg.max_length or self.shard.max_positions, self.shard.max_positions)
+        need = self.shard.kv.bytes_for(max(0, length), msg.end - msg.start)
+        why = self.admit(key, need)
+        if why is not None:
+            self.refused += 1
+            error = self._error(msg, ErrorCode.BUSY, f"busy: {why}", retriable=True)
+            return [replace(error, retry_after_s=BUSY_RETRY_S)]
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
         self.shard.open_session(key, msg.max_length, msg.start, msg.end)
         self.sessions[key] = SessionState(sampler, head=msg.start == 0)
+        self.promised[key] = need
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
 
     def _forward(self, msg: Forward) -> list[Message]:
+        return self.forward_batch([msg])[0]
+
+    def forward_batch(self, msgs: list[Forward]) -> list[list[Message]]:
+        """Several sessions' Forward frames in one pass (at most one a session); each gets the
+        replies it would get alone, an Error in place of any that cannot run."""
+        replies: list[list[Message] | None] = [None] * len(msgs)
+        jobs, where = [], []
+        for i, msg in enumerate(msgs):
+            try:
+                jobs.append(self._job(msg))
+                where.append(i)
+            except (CacheMiss, ValueError, TypeError) as exc:
+                replies[i] = self._failed(msg, exc)
+        for i, (_, x, position), out in zip(where, jobs, self.shard.forward_batch(jobs) if jobs else []):
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                replies[i] = self._reply(msgs[i], out, position + x.shape[1])
+            except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
+                replies[i] = self._failed(msgs[i], exc)
+        return replies  # type: ignore[return-value]
+
+    def _job(self, msg: Forward) -> tuple:
         key = (msg.session_id, msg.epoch)
         state = self.sessions.get(key)
         if state is None:
@@ -90,7 +147,19 @@ class ShardEndpoint:
         tensor = next((t for t in msg.tensors if t.name == want), None)
         if tensor is None:
             raise ValueError(f"forward frame lacks the {want!r} tensor")
-        out = self.shard.forward(key, tensor.to_torch(), msg.position)
+        return key, tensor.to_torch(), msg.position
+
+    def _failed(self, msg: Message, exc: Exception) -> list[Message]:
+        if isinstance(exc, KVBudgetExceeded):
+            return [self._error(msg, ErrorCode.BUSY, str(exc), retriable=True)]
+        if isinstance(exc, CacheMiss):
+            return [self._error(msg, ErrorCode.UNKNOWN_SESSION, str(exc), retriable=True)]
+        if isinstance(exc, (ValueError, TypeError)):
+            return [self._error(msg, ErrorCode.BAD_FRAME, str(exc))]
+        raise exc
+
+    def _reply(self, msg: Forward, out, next_position: int) -> list[Message]:
+        state = self.sessions[(msg.session_id, msg.epoch)]
         if state.sampler is None:
             hidden = Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire))
             return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,
@@ -98,7 +167,7 @@ class ShardEndpoint:
                             tensors=(hidden,))]
         if msg.phase == Phase.PREFILL and msg.chunk_index != msg.chunk_total - 1:
             return []
-        token, logprob = state.sampler.sample(out)
+        token, logprob = state.sampler.sample(out, position=next_position)
         return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob)]
 
 

@@ -1,11 +1,13 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded per session.
 
-Rule: the same seed and the same logits give the same tokens, whatever else the process is doing
-(each session owns its own generator).
+Rule: a draw depends on the seed, the position it samples for and the logits only: the same text
+alone, in a batch with other sessions, and after a reroute replays the session elsewhere (each
+session owns its generator, reseeded from (seed, position) before each draw).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +34,8 @@ class Sampler:
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
 
-    def sample(self, logits: torch.Tensor) -> tuple[int, float]:
-        """Token id and its log-probability under the (tempered, filtered) distribution."""
+    def sample(self, logits: torch.Tensor, position: int = 0) -> tuple[int, float]:
+        """Token id (for `position`) and its log-probability under the (tempered, filtered) distribution."""
         logits = logits.float().reshape(-1)
         p = self.params
         if p.temperature == 0:
@@ -49,5 +51,7 @@ class Sampler:
             drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p  # keep the token that crosses top_p
             logits = logits.scatter(0, order[drop], float("-inf"))
         logprobs = torch.log_softmax(logits, -1)
+        digest = hashlib.blake2b(f"{p.seed}:{position}".encode(), digest_size=8).digest()
+        self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
         token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
         return token, float(logprobs[token])

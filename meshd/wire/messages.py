@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Optional
 
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Error carries retry_after_s
 
 
 class MsgType(enum.IntEnum):
@@ -201,6 +201,7 @@ class Error(Message):
     retriable: bool = False
     request_id: int = 0
     session_id: bytes = b""
+    retry_after_s: float = 0.0  # with `busy`: when trying again may succeed
 
 
 @message(MsgType.GENERATE)

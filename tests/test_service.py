@@ -1,0 +1,153 @@
+"""A shard's service under concurrent sessions: their frames share passes, each gets its solo answer,
+and past its bounds it answers `busy` at once."""
+
+import pytest
+import trio
+
+from meshd.compute import ComputeExecutor
+from meshd.serve import ShardService
+from meshd.shard.artifact import open_artifact
+from meshd.shard.endpoint import ShardEndpoint, token_frame
+from meshd.shard.recipe import NATIVE
+from meshd.shard.runtime import Shard
+from meshd.shard.scheduler import Scheduler
+from meshd.wire import Close, Error, ErrorCode, OpenSession, Opened, Phase, Token
+from tests import tiny_models
+
+QT = tiny_models.gguf.GGMLQuantizationType
+PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 201], [9], [40, 41, 42], [7, 7, 7, 7, 7], [3, 1], [100]]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    model = tiny_models.tiny_llama(seed=5)
+    tiny_models.quantize_linear_weights(model, QT.Q4_0)
+    return open_artifact(tiny_models.write_llama_gguf(model, tmp_path_factory.mktemp("m") / "m.gguf", qtype=QT.Q4_0))
+
+
+@pytest.fixture
+def compute():
+    executor = ComputeExecutor().start_thread()
+    yield executor
+    executor.stop()
+
+
+def service_for(artifact, compute, kv_budget=1 << 26, max_sessions=64, max_queued=1024):
+    shard = Shard(artifact, 0, artifact.config.n_layers, NATIVE, kv_budget_bytes=kv_budget)
+    endpoint = ShardEndpoint(shard, "m", "r", max_sessions=max_sessions)
+    return ShardService(endpoint, compute, Scheduler(max_queued=max_queued))
+
+
+def open_msg(sid: bytes, temperature=0.0, max_length=64) -> OpenSession:
+    return OpenSession(request_id=1, session_id=sid, epoch=0, start=0, end=6, model_fingerprint="m",
+                       recipe_fingerprint="r", max_length=max_length, temperature=temperature, top_k=20, seed=11)
+
+
+async def session(service, sid: bytes, prompt: list[int], temperature=0.0) -> list[int]:
+    """Greedy (or seeded) tokens of one session: open, prefill, STEPS decode steps, close."""
+    (opened,) = await service.handle(open_msg(sid, temperature))
+    assert isinstance(opened, Opened), opened
+    (tok,) = await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, prompt))
+    tokens = [tok.token_id]
+    for i in range(STEPS):
+        (tok,) = await service.handle(token_frame(sid, 0, i + 1, Phase.DECODE, len(prompt) + i, [tokens[-1]]))
+        assert isinstance(tok, Token), tok
+        tokens.append(tok.token_id)
+    await service.handle(Close(session_id=sid, epoch=0))
+    return tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_concurrent_sessions_share_passes_and_get_their_solo_tokens(artifact, compute, temperature):
+    service = service_for(artifact, compute)
+
+    async def main():
+        solo = [await session(service, bytes([k]) * 16, p, temperature) for k, p in enumerate(PROMPTS)]
+        solo_passes = service.steps
+        together = [None] * len(PROMPTS)
+
+        async def one(k):
+            together[k] = await session(service, bytes([100 + k]) * 16, PROMPTS[k], temperature)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(len(PROMPTS)):
+                nursery.start_soon(one, k)
+        return solo, together, service.steps - solo_passes
+
+    solo, together, passes = trio.run(main)
+    assert together == solo
+    # 8 sessions x 9 frames alone took 72 passes; together they shared them
+    assert passes < len(PROMPTS) * (STEPS + 1) / 2, passes
+    assert service.scheduler.stats.largest >= 4
+    assert len(service.endpoint.shard.kv) == 0 and service.scheduler.queued == 0
+
+
+def test_a_full_queue_answers_busy_at_once(artifact, compute):
+    service = service_for(artifact, compute, max_queued=2)
+
+    async def main():
+        sids = [bytes([k]) * 16 for k in range(4)]
+        for sid in sids:
+            await service.handle(open_msg(sid))
+        replies = [None] * 4
+
+        async def one(k):
+            replies[k] = await service.handle(token_frame(sids[k], 0, 0, Phase.PREFILL, 0, [1, 2, 3]))
+
+        async with trio.open_nursery() as nursery:
+            for k in range(4):
+                nursery.start_soon(one, k)
+        return replies
+
+    replies = trio.run(main)
+    busy = [r[0] for r in replies if isinstance(r[0], Error)]
+    # the first frame runs at once, two wait, the fourth is refused
+    assert len(busy) == 1 and busy[0].code == ErrorCode.BUSY and busy[0].retriable and busy[0].retry_after_s > 0
+    assert sum(isinstance(r[0], Token) for r in replies) == 3
+    assert service.scheduler.stats.refused == 1
+
+
+def test_sessions_past_the_bounds_are_refused_as_busy(artifact, compute):
+    service = service_for(artifact, compute, max_sessions=2)
+    shard = service.endpoint.shard
+    per_session = shard.kv.bytes_for(64, 6)
+
+    async def main():
+        out = [await service.handle(open_msg(bytes([k]) * 16)) for k in range(3)]
+        await service.release((bytes([0]) * 16, 0))
+        out.append(await service.handle(open_msg(b"\x09" * 16)))
+        return out
+
+    a, b, c, d = (r[0] for r in trio.run(main))
+    assert isinstance(a, Opened) and isinstance(b, Opened) and isinstance(d, Opened)
+    assert c.code == ErrorCode.BUSY and c.retriable and c.retry_after_s > 0 and "limit" in c.message
+
+    # the KV budget is promised at open, at the length each session asks for
+    service = service_for(artifact, compute, kv_budget=per_session * 2 + per_session // 2)
+    replies = trio.run(lambda: _open_all(service, 3))
+    assert [type(r).__name__ for r in replies] == ["Opened", "Opened", "Error"]
+    assert "KV budget" in replies[2].message and service.endpoint.refused == 1
+
+
+async def _open_all(service, n):
+    return [(await service.handle(open_msg(bytes([k]) * 16)))[0] for k in range(n)]
+
+
+def test_a_caller_that_gives_up_leaves_nothing_queued(artifact, compute):
+    service = service_for(artifact, compute)
+
+    async def main():
+        a, b = b"a" * 16, b"b" * 16
+        for sid in (a, b):
+            await service.handle(open_msg(sid))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.handle, token_frame(a, 0, 0, Phase.PREFILL, 0, list(range(1, 60))))
+            await trio.sleep(0)  # a's prefill is running; b's frame waits for the next pass
+            with trio.move_on_after(0):
+                await service.handle(token_frame(b, 0, 0, Phase.PREFILL, 0, [1, 2]))
+        assert service.scheduler.queued == 0
+        return await service.handle(token_frame(b, 0, 0, Phase.PREFILL, 0, [1, 2]))
+
+    (tok,) = trio.run(main)
+    assert isinstance(tok, Token)
