@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "join":
             from meshd.daemon import run_daemon
-            from meshd.settings import load_settings
+            from dataclasses import fields
 
-            flags = {k: getattr(args, k) for k in ("bootstrap", "model", "layers", "num_layers", "memory", "listen",
-                                                    "state_dir", "socket", "recipe", "threads", "http", "http_token",
-                                                    "http_token_file")}
+            from meshd.settings import Settings, load_settings
+
+            flags = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
             return run_daemon(load_settings(flags, args.config))
         if args.command == "demo":
             from meshd.demo import run_demo

@@ -7,7 +7,7 @@
 
 Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
 Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
-5 generation failed (a hop failed, the mesh is busy, ...).
+5 generation failed (a hop failed, ...), 6 mesh busy (no route had room before the entry's --busy-wait).
 Rule: the client is a plain blocking socket and `meshd.wire` (no trio, libp2p or torch), so it
 starts at once; every request carries its own random id, which the daemons log on every hop.
 """
@@ -25,7 +25,8 @@ from pathlib import Path
 from meshd.settings import default_socket, default_state_dir
 from meshd.wire import Decoder, GenerateRequest, StatusRequest, WireError, encode
 
-EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED = 3, 4, 5
+EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED, EXIT_BUSY = 3, 4, 5, 6
+EXIT_FOR = {"no_route": EXIT_NO_ROUTE, "busy": EXIT_BUSY}
 
 
 class DaemonUnreachable(Exception):
@@ -150,7 +151,7 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
             elif event.kind == "error":
                 code = event.stats.get("code", "")
                 print(f"meshctl: generation failed ({code}): {event.text}", file=sys.stderr)
-                return (EXIT_NO_ROUTE if code == "no_route" else EXIT_FAILED), {}, "".join(text)
+                return EXIT_FOR.get(code, EXIT_FAILED), {}, "".join(text)
     except DaemonSilent as exc:
         print(f"meshctl: {exc} (mid-generation)", file=sys.stderr)
         return EXIT_FAILED, {}, "".join(text)

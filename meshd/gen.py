@@ -141,8 +141,8 @@ class Entry:
                     raise
                 left = deadline - trio.current_time()
                 if left <= 0:
-                    raise GenerationError(ErrorCode.BUSY, f"mesh busy: no route had room for {self.busy_wait_s:.0f} s"
-                                          f" ({len(busy)} busy hops; {exc})") from None
+                    raise GenerationError(ErrorCode.BUSY, f"mesh busy: no route had room within {self.busy_wait_s:g} s"
+                                          f" ({exc})") from None
                 epoch += 1
                 await trio.sleep(min(left, BUSY_RETRY_S))
                 busy.clear()
