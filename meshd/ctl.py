@@ -111,6 +111,15 @@ def coverage_lines(counts: list[int]) -> list[str]:
     return lines
 
 
+def load_line(st: dict) -> str:
+    """Batching and admission at a glance: queue, batch sizes, busy refusals."""
+    b = st.get("batches") or {}
+    mean = b.get("mean_batch")
+    return (f"load      {st.get('queue', 0)} frames queued, batches of {mean if mean is not None else '-'}"
+            f" on average (largest {b.get('largest_batch', 0)}, {b.get('passes', 0)} passes),"
+            f" {st.get('busy_refusals', 0)} refused busy, limit {st.get('max_sessions', '-')} sessions")
+
+
 def render_status(st: dict) -> str:
     rng = st.get("range")
     lines = [f"peer      {st['peer_id']}", f"state     {st['state']}",
@@ -118,7 +127,8 @@ def render_status(st: dict) -> str:
              f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)",
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
-             f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating"]
+             f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
+             load_line(st)]
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
     lines.append(f"peers     {len(st['peers'])}")

@@ -32,6 +32,7 @@ from meshd.gen import GEN_PROTOCOL, SHARD_PROTOCOL, Entry
 from meshd.log import get_logger
 from meshd.mesh import MeshView
 from meshd.metrics import Metrics
+from meshd.p2p.channel import Channel
 from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
 from meshd.serve import ShardService
 from meshd.settings import Settings
@@ -198,9 +199,10 @@ class Daemon:
                                  max_sessions=self.settings.max_sessions)
         self.service = ShardService(endpoint, self.compute, Scheduler(max_queued=self.settings.max_queue))
         self.service.on_step = self.metrics.observe_pass
+        self.service.dial = self.dial_shard
         self.throughput = await self.compute.run(self._measure_throughput)
         if self.shard.is_head:
-            self.entry = Entry(self, busy_wait_s=self.settings.busy_wait)
+            self.entry = Entry(self, busy_wait_s=self.settings.busy_wait, forwarding=bool(self.settings.forwarding))
 
     def _measure_throughput(self) -> float:
         """Layer-steps per second of a decode step on this machine (advertised for routing)."""
@@ -218,6 +220,12 @@ class Daemon:
         finally:
             shard.release(key)
         return (shard.end - shard.start) / per_step
+
+    async def dial_shard(self, peer_id: str, addrs) -> Channel:
+        """A new shard stream to a peer (a session's next hop)."""
+        await self.ensure_connected(peer_id, addrs)
+        stream = await self.host.new_stream(ID.from_base58(peer_id), [SHARD_PROTOCOL])
+        return Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
 
     async def ensure_connected(self, peer_id: str, addrs) -> None:
         pid = ID.from_base58(peer_id)
@@ -258,6 +266,7 @@ class Daemon:
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "queue": self.service.scheduler.queued if self.service else 0,
+            "forwarded_frames": self.service.forwarded if self.service else 0,
             "batches": self.service.scheduler.stats.as_dict() if self.service else {},
             "busy_refusals": (self.service.endpoint.refused + self.service.scheduler.stats.refused
                               if self.service else 0),

@@ -1,9 +1,10 @@
 """Generation at an entry daemon: plan a route, open a session on every hop, pipeline, stream text.
 
-Rules: the entry runs its own layers [0, k) and holds one long-lived stream per further hop; each
-hop's output comes back to the entry, which passes it to the next hop as soon as it arrives, so
-prefill chunks overlap across stages. The tail's token reaches the entry without waiting on
-anything else. Every wait has a deadline. A hop that fails makes the entry plan a new route (new
+Rules: the entry runs its own layers [0, k) and holds one long-lived stream per further hop (its
+sessions, pings and errors). Hidden states go from hop to hop: each hop is told the next one and
+sends its output there, and the tail's token comes back to the entry, one transfer a hop a token.
+A hop that cannot reach its next hop sends its output back instead, and the entry passes it on.
+Prefill chunks overlap across stages. Every wait has a deadline. A hop that fails makes the entry plan a new route (new
 epoch) without that peer and replay the prompt and the tokens so far: the client sees a pause,
 not an error, while the mesh still covers the model. Close, cancel or a vanished client release
 the KV on every hop.
@@ -92,9 +93,10 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
 class Entry:
     """Runs generations for a daemon that serves layer 0."""
 
-    def __init__(self, daemon, busy_wait_s: float = BUSY_WAIT_S) -> None:
+    def __init__(self, daemon, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True) -> None:
         self.daemon = daemon
         self.busy_wait_s = busy_wait_s
+        self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         d = self.daemon
@@ -175,8 +177,9 @@ class Entry:
         try:
             async with trio.open_nursery() as nursery:
                 await self._open_local(sid, epoch, req, ids, max_tokens)
-                for hop in route.hops:
-                    at.add_hop(hop.peer_id, await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens))
+                for i, hop in enumerate(route.hops):
+                    nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
+                    at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens, nxt))
                 for i, (peer, channel) in enumerate(at.hops):
                     nxt = at.hops[i + 1] if i + 1 < len(at.hops) else None
                     nursery.start_soon(at.pump, peer, channel, nxt)
@@ -219,21 +222,23 @@ class Entry:
         if not isinstance(reply[0], Opened):
             raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
 
-    def _open_msg(self, sid, epoch, start, end, req, max_length) -> OpenSession:
+    def _open_msg(self, sid, epoch, start, end, req, max_length, nxt=None) -> OpenSession:
         d = self.daemon
         return OpenSession(request_id=req.request_id, session_id=sid, epoch=epoch, start=start, end=end,
                            model_fingerprint=d.artifact.fingerprint, recipe_fingerprint=d.recipe_fp,
                            max_length=max_length, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                           seed=req.seed)
+                           seed=req.seed, next_peer=nxt.peer_id if nxt and self.forwarding else "",
+                           next_addrs=" ".join(nxt.addrs) if nxt and self.forwarding else "")
 
-    async def _open_hop(self, hop, sid, epoch, req, max_length) -> Channel:
+    async def _open_hop(self, hop, sid, epoch, req, max_length, nxt=None) -> tuple[Channel, bool]:
+        """A session on a hop: its stream, and whether the hop sends its output on to `nxt` itself."""
         d = self.daemon
         try:
             with trio.fail_after(OPEN_TIMEOUT):
                 await d.ensure_connected(hop.peer_id, hop.addrs)
                 stream = await d.host.new_stream(ID.from_base58(hop.peer_id), [SHARD_PROTOCOL])
                 channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length))
+                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length, nxt))
                 reply = await channel.receive(OPEN_TIMEOUT)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
             raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
@@ -243,7 +248,7 @@ class Entry:
             raise hop_error(hop.peer_id, reply)
         if not isinstance(reply, Opened):
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
-        return channel
+        return channel, reply.forwarding and nxt is not None
 
 
 class Attempt:
@@ -254,14 +259,34 @@ class Attempt:
     def __init__(self, service, progress: Progress, sid: bytes, epoch: int) -> None:
         self.service, self.progress, self.sid, self.epoch = service, progress, sid, epoch
         self.hops: list[tuple[str, Channel]] = []
-        self.pending: dict[str, int] = {}  # frames sent to a hop, not yet answered
+        self.forwards: list[bool] = []  # per hop: it sends its output to the next hop itself
+        self.pending: dict[str, int] = {}  # frames a hop holds or will hold, not yet answered
         self.heard: dict[str, float] = {}  # when each hop last said anything (a frame or a ping's echo)
         self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token](16)
 
-    def add_hop(self, peer: str, channel: Channel) -> None:
+    def add_hop(self, peer: str, channel: Channel, forwards: bool = False) -> None:
         self.hops.append((peer, channel))
+        self.forwards.append(forwards)
         self.pending[peer] = 0
         self.heard[peer] = trio.current_time()
+
+    def segment(self, i: int) -> list[str]:
+        """The hops a frame sent to hop i passes before an answer comes back to the entry."""
+        out = [self.hops[i][0]]
+        while self.forwards[i] and i + 1 < len(self.hops):
+            i += 1
+            out.append(self.hops[i][0])
+        return out
+
+    def segment_ending(self, peer: str) -> list[str]:
+        """The hops whose frame an answer from `peer` completes."""
+        i = self.index(peer)
+        while i > 0 and self.forwards[i - 1]:
+            i -= 1
+        return self.segment(i)
+
+    def index(self, peer: str) -> int:
+        return next(i for i, (p, _) in enumerate(self.hops) if p == peer)
 
     async def keepalive(self) -> None:
         """Ping every hop; a hop's event loop echoes pings even while its compute thread is busy."""
@@ -290,9 +315,13 @@ class Attempt:
             if isinstance(msg, Heartbeat):
                 continue
             if isinstance(msg, Error):  # mid-generation: another route may well do
+                i = self.index(peer)
+                if msg.code == ErrorCode.NEXT_HOP_FAILED and i + 1 < len(self.hops):
+                    raise HopFailed(self.hops[i + 1][0], f"unreachable from the hop before: {msg.message}")
                 raise hop_error(peer, msg, retriable=True)
             if isinstance(msg, (Token, Forward)):
-                self.pending[peer] -= 1
+                for p in self.segment_ending(peer):
+                    self.pending[p] -= 1
             if isinstance(msg, Token):
                 await self.tokens_send.send(msg)
             elif isinstance(msg, Forward) and nxt is not None:
@@ -303,7 +332,8 @@ class Attempt:
             await channel.send(msg)
         except ChannelClosed as exc:
             raise HopFailed(peer, f"stream closed: {exc}") from None
-        self.pending[peer] += 1
+        for p in self.segment(self.index(peer)):
+            self.pending[p] += 1
 
     async def local(self, frame: Forward) -> Message | None:
         t0 = time.perf_counter()

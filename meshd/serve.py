@@ -1,13 +1,18 @@
 """Serving a shard over streams: one long-lived stream per session hop, frames in, frames out.
 
 Rules: tensor work runs on the daemon's compute executor, one job at a time, so the event loop keeps
-reading every stream; the Forward frames of all sessions waiting at once share one forward pass; a stream's sessions are released when the stream ends, however
-it ends, so a vanished entry never leaves KV behind; every failure goes back as an `Error` frame.
+reading every stream; the Forward frames of all sessions waiting at once share one forward pass. A
+session's hidden states go straight to the next hop when the entry names one this daemon can reach
+(one transfer a hop a token), its tokens and errors to the stream it was opened on. A stream's
+sessions are released when the stream ends, however it ends, so a vanished entry never leaves KV
+behind; every failure goes back as an `Error` frame.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable
 
 import structlog
 import trio
@@ -18,12 +23,22 @@ from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.endpoint import ShardEndpoint
 from meshd.shard.scheduler import QueueFull, Scheduler
-from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Heartbeat, Hello, Message, OpenSession,
+from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Heartbeat, Hello, Message, OpenSession, Opened,
                         Phase, UnsupportedVersion, WireError)
 
 IDLE_TIMEOUT = 300.0
+DIAL_TIMEOUT = 10.0  # reaching the next hop of a session
 WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream
 log = get_logger(__name__)
+
+
+@dataclass
+class Links:
+    """Where a session's outputs go."""
+
+    home: Channel  # the stream it was opened on (the entry): tokens and errors
+    next: Channel | None = None  # the stream to the next hop, when this hop forwards its hidden states
+    next_peer: str = ""
 
 
 class ShardService:
@@ -46,6 +61,9 @@ class ShardService:
         self.pass_s: float | None = None  # moving average of a pass's seconds (the retry hint of a busy reply)
         self._stepping = False
         self._step_done = trio.Event()
+        self.links: dict[tuple[bytes, int], Links] = {}  # where each session's outputs go
+        self.forwarded = 0  # frames sent straight to a next hop
+        self.dial: Callable[[str, list[str]], Awaitable[Channel]] | None = None  # a stream to a peer (daemon)
 
     async def handle(self, msg: Message) -> list[Message]:
         """Answer one message: a Forward joins the next pass it can, the rest run in order."""
@@ -53,7 +71,58 @@ class ShardService:
             return await self._forward(msg)
         if isinstance(msg, (Close, Cancel)):
             self.scheduler.cancel((msg.session_id, msg.epoch))
+            await self._unlink((msg.session_id, msg.epoch))
         return await self.compute.run(self.endpoint.handle, msg)
+
+    async def open_linked(self, msg: OpenSession, home: Channel) -> list[Message]:
+        """Open a session whose tokens and errors go to `home`, and whose hidden states go straight
+        to the next hop when the sender names one and this daemon can reach it (else back home)."""
+        replies = await self.handle(msg)
+        if not replies or not isinstance(replies[0], Opened):
+            return replies
+        key = (msg.session_id, msg.epoch)
+        await self._unlink(key)  # a reopened session starts afresh
+        links = self.links[key] = Links(home)
+        if msg.next_peer and self.dial is not None:
+            try:
+                with trio.fail_after(DIAL_TIMEOUT):
+                    links.next = await self.dial(msg.next_peer, msg.next_addrs.split())
+                links.next_peer = msg.next_peer
+            except Exception as exc:  # unreachable from here (NAT, firewall): the sender relays instead
+                log.info("next hop unreachable, outputs go back to the sender", peer=msg.next_peer[-8:],
+                         error=f"{type(exc).__name__}: {exc}")
+        return [replace(replies[0], forwarding=links.next is not None)]
+
+    async def deliver(self, msg: Message, reply: Message, channel: Channel) -> None:
+        """Send a reply to where its session's outputs go: hidden states to the next hop (when this
+        hop forwards), tokens and errors to the session's home stream; replies for frames of no
+        linked session go back on the stream they came from."""
+        links = self.links.get((getattr(msg, "session_id", b""), getattr(msg, "epoch", -1)))
+        if links is None:
+            await channel.send(reply)
+            return
+        if isinstance(reply, Forward) and links.next is not None:
+            try:
+                await links.next.send(reply)
+                self.forwarded += 1
+                return
+            except ChannelClosed as exc:
+                nxt, links.next = links.next, None
+                await nxt.aclose()
+                reply = Error(code=ErrorCode.NEXT_HOP_FAILED, retriable=True, session_id=reply.session_id,
+                              message=f"next hop {links.next_peer[-8:]} unreachable: {exc}")
+        try:
+            await links.home.send(reply)
+        except ChannelClosed:
+            if links.home is channel:
+                raise
+            # the entry is gone: its stream's end releases the session
+
+    async def _unlink(self, key: tuple[bytes, int]) -> None:
+        links = self.links.pop(key, None)
+        if links is not None and links.next is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await links.next.aclose()
 
     async def _forward(self, msg: Forward) -> list[Message]:
         shape = msg.tensors[0].shape if msg.tensors else ()
@@ -118,6 +187,7 @@ class ShardService:
     async def release(self, key: tuple[bytes, int]) -> None:
         """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
         self.scheduler.cancel(key)
+        await self._unlink(key)
         await self.compute.run(self.endpoint.release, key)
 
     async def serve_stream(self, stream) -> None:
@@ -170,13 +240,13 @@ class ShardService:
             if isinstance(msg, OpenSession):
                 structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
             try:
-                replies = await self.handle(msg)
+                replies = await (self.open_linked(msg, channel) if isinstance(msg, OpenSession) else self.handle(msg))
             except Exception as exc:  # a bug in one session must not take the daemon down
                 log.exception("shard request failed")
                 replies = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
                                  session_id=getattr(msg, "session_id", b""))]
             try:
                 for reply in replies:
-                    await channel.send(reply)
+                    await self.deliver(msg, reply, channel)
             except ChannelClosed:
                 return

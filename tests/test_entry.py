@@ -98,3 +98,37 @@ async def test_a_frozen_hop_is_failed_after_a_second_of_silence(autojump_clock):
     result, took = await one_hop_step(FakeHop(echo=False), answer_after=None)
     assert isinstance(result, HopFailed) and result.peer_id == "H" and "silent" in str(result)
     assert SILENT_S <= took <= SILENT_S + 0.5
+
+
+async def test_forwarding_hops_hold_a_frame_until_the_tail_answers(autojump_clock):
+    """A forwards to B itself: the entry sends to A, the token comes from B; a broken A->B link blames B."""
+    at = Attempt(None, Progress(), SID, 0)
+    a, b = FakeHop(echo=True), FakeHop(echo=True)
+    at.add_hop("A", a, forwards=True)
+    at.add_hop("B", b)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(at.pump, "A", a, ("B", b))
+        nursery.start_soon(at.pump, "B", b, None)
+        await at.send("A", a, forward())
+        assert at.pending == {"A": 1, "B": 1} and b.sent == []  # nothing relayed by the entry
+        await b.answers_in.send(Token(session_id=SID, epoch=0, step=1, token_id=9))
+        assert await at.next_token(5.0) == 9 and at.pending == {"A": 0, "B": 0}
+        nursery.cancel_scope.cancel()
+
+    at = Attempt(None, Progress(), SID, 1)
+    at.add_hop("A", a, forwards=True)
+    at.add_hop("B", b)
+    await a.answers_in.send(Error(code=ErrorCode.NEXT_HOP_FAILED, message="reset", session_id=SID))
+    with pytest.raises(HopFailed) as failed:
+        await at.pump("A", a, ("B", b))
+    assert failed.value.peer_id == "B" and failed.value.retriable
+
+
+async def test_a_busy_error_is_not_a_failure(autojump_clock):
+    at = Attempt(None, Progress(), SID, 0)
+    a = FakeHop()
+    at.add_hop("A", a)
+    await a.answers_in.send(Error(code=ErrorCode.BUSY, message="queue full", retriable=True, retry_after_s=0.3))
+    with pytest.raises(HopFailed) as failed:
+        await at.pump("A", a, None)
+    assert failed.value.busy_s == 0.3 and "busy" in str(failed.value)

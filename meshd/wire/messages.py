@@ -50,6 +50,7 @@ class ErrorCode(enum.StrEnum):
     NO_ROUTE = "no_route"
     UNKNOWN_SESSION = "unknown_session"
     HOP_FAILED = "hop_failed"
+    NEXT_HOP_FAILED = "next_hop_failed"  # the hop could not pass its output on to the next hop
     TIMEOUT = "timeout"
     INTERNAL = "internal"
 
@@ -137,6 +138,10 @@ class OpenSession(Message):
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # where this hop sends its hidden states: the next hop's peer id and multiaddrs (space-separated);
+    # empty: back to the sender (the entry relays them)
+    next_peer: str = ""
+    next_addrs: str = ""
 
 
 @message(MsgType.OPENED)
@@ -146,6 +151,7 @@ class Opened(Message):
     request_id: int
     session_id: bytes
     epoch: int
+    forwarding: bool = False  # its outputs go straight to the next hop asked for (else back to the sender)
 
 
 @message(MsgType.FORWARD)

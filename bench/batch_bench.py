@@ -1,0 +1,131 @@
+"""Throughput under many users: three daemons on loopback (SmolLM2, native lane), N concurrent sessions.
+
+For 1, 4, 8 and 16 concurrent generations of --tokens new tokens each (greedy, past end-of-text):
+aggregate decode tok/s over the run, p50/p95 time between streamed tokens, and the hops' mean batch
+size; side by side for hop-to-hop forwarding (default) and the entry relaying every hop's output.
+Also the mesh's own per-token cost: a solo decode step seen at the entry minus the hops' compute
+per step, per transfer.
+Usage: python bench/batch_bench.py [--tokens 64] [--sessions 1,4,8,16] [--threads 1] [--modes forward,relay]
+Prints a table, then one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+from meshd.ctl import Connection, fetch_status, new_request_id
+from meshd.localmesh import Mesh
+from meshd.wire import GenerateRequest
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
+           "The best way to learn", "In 1969, the first", "import numpy as np\n", "Dear Sir or Madam,"]
+
+
+def one(socket, prompt: str, tokens: int, out: list) -> None:
+    """Run one generation; append (start, [arrival time of each text event], stats)."""
+    conn = Connection(socket)
+    t0 = time.perf_counter()
+    arrivals, stats = [], {}
+    try:
+        conn.send(GenerateRequest(request_id=new_request_id(), prompt=prompt, max_tokens=tokens, ignore_eos=True))
+        while True:
+            event = conn.receive(600)
+            if event.kind == "text":
+                arrivals.append(time.perf_counter())
+            elif event.kind == "done":
+                stats = dict(event.stats)
+                break
+            elif event.kind == "error":
+                raise RuntimeError(event.text)
+    finally:
+        conn.close()
+    out.append((t0, arrivals, stats))
+
+
+def run_level(entry, n: int, tokens: int) -> dict:
+    results: list = []
+    threads = [threading.Thread(target=one, args=(entry.socket, PROMPTS[i % len(PROMPTS)], tokens, results))
+               for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if len(results) != n:
+        raise RuntimeError(f"{n - len(results)} generations failed")
+    gaps = [b - a for _, arr, _ in results for a, b in zip(arr, arr[1:])]
+    gaps.sort()
+    produced = sum(s["tokens"] for _, _, s in results)
+    return {"sessions": n, "aggregate_tok_s": produced / wall, "wall_s": wall,
+            "p50_ms": 1000 * statistics.median(gaps), "p95_ms": 1000 * gaps[int(0.95 * (len(gaps) - 1))],
+            "ttft_s": statistics.median(s["ttft_s"] for _, _, s in results)}
+
+
+def compute_per_pass(daemons) -> list[tuple[float, int]]:
+    return [(s["compute_s"], s["steps"]) for s in (fetch_status(d.socket) for d in daemons)]
+
+
+def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool) -> dict:
+    mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0"})
+    try:
+        daemons = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--threads", str(threads)])
+        entry = daemons[0]
+        run_level(entry, 1, 8)  # warm up
+        out = {"levels": []}
+        # the mesh's own cost per token: a solo run's step time minus what the hops computed
+        before = compute_per_pass(daemons)
+        solo = run_level(entry, 1, tokens)
+        after = compute_per_pass(daemons)
+        per_pass = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before)]
+        step = solo["p50_ms"] / 1000
+        out["solo_step_ms"] = 1000 * step
+        out["hop_compute_ms"] = [1000 * p for p in per_pass]
+        transfers = len(daemons) if forwarding else 2 * (len(daemons) - 1)  # relaying: out and back per hop
+        out["transfers_per_token"] = transfers
+        out["overhead_per_transfer_ms"] = 1000 * (step - sum(per_pass)) / transfers
+        for n in levels:
+            before = [fetch_status(d.socket)["batches"] for d in daemons]
+            level = run_level(entry, n, tokens)
+            after = [fetch_status(d.socket)["batches"] for d in daemons]
+            level["mean_batch"] = [round((a["rows"] - b["rows"]) / max(1, a["passes"] - b["passes"]), 2)
+                                   for a, b in zip(after, before)]
+            out["levels"].append(level)
+        return out
+    finally:
+        mesh.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--sessions", default="1,4,8,16")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per daemon (3 daemons share the box)")
+    ap.add_argument("--modes", default="forward,relay")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.sessions.split(",")]
+    res = {mode: bench_mode(levels, args.tokens, args.threads, mode == "forward") for mode in args.modes.split(",")}
+    print(f"3 daemons on loopback (0:10, 10:20, 20:30), SmolLM2 native, {args.tokens} new tokens a session,"
+          f" {args.threads} torch thread(s) each")
+    print(f"{'mode':8} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8} {'p95 ms':>8}"
+          f" {'p95 x solo':>10} {'TTFT s':>7}  mean rows/pass per daemon")
+    for mode, r in res.items():
+        base = r["levels"][0]
+        for lv in r["levels"]:
+            lv["x_one_session"] = lv["aggregate_tok_s"] / base["aggregate_tok_s"]
+            lv["p95_x_one_session"] = lv["p95_ms"] / base["p95_ms"]
+            print(f"{mode:8} {lv['sessions']:>8} {lv['aggregate_tok_s']:>10.1f} {lv['x_one_session']:>11.2f}"
+                  f" {lv['p50_ms']:>8.1f} {lv['p95_ms']:>8.1f} {lv['p95_x_one_session']:>10.2f}"
+                  f" {lv['ttft_s']:>7.3f}  {lv['mean_batch']}")
+        print(f"{mode:8} solo step {r['solo_step_ms']:.1f} ms = hops' compute"
+              f" {' + '.join(f'{c:.1f}' for c in r['hop_compute_ms'])} ms + mesh"
+              f" {r['overhead_per_transfer_ms']:.2f} ms per transfer x {r['transfers_per_token']}")
+    print(json.dumps({"bench": "batch", "tokens": args.tokens, "threads": args.threads, **res}))
+
+
+if __name__ == "__main__":
+    main()
