@@ -5,7 +5,8 @@ reads the answer. Usage:
   python -m meshd.testing.netprobe serve ADDR PORT [--for S]      TCP + UDP echo on ADDR:PORT, for S seconds
   python -m meshd.testing.netprobe rtt ADDR PORT [--count N]      TCP connect time and N echo round trips
   python -m meshd.testing.netprobe udp ADDR PORT [--count N]      N UDP echoes: how many came back
-  python -m meshd.testing.netprobe connect ADDR PORT [--timeout S] can a TCP connection be opened?
+  python -m meshd.testing.netprobe connect ADDR PORT [--timeout S] [--bind-port P]
+                                                                can a TCP connection be opened?
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 
 
 def serve(addr: str, port: int, seconds: float) -> dict:
-    """Echo TCP streams and UDP datagrams; report the peers seen (to show what a NAT rewrote)."""
+    """Echo TCP streams and UDP datagrams; print each new peer (address, port) as it is seen, to
+    show what a NAT rewrote, and all peer addresses at the end."""
     tcp = socket.create_server((addr, port), reuse_port=False)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind((addr, port))
@@ -28,16 +30,21 @@ def serve(addr: str, port: int, seconds: float) -> dict:
     sel.register(udp, selectors.EVENT_READ, "udp")
     print(json.dumps({"listening": [addr, port]}), flush=True)
     peers: set[str] = set()
+    udp_seen: set[tuple[str, int]] = set()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for key, _ in sel.select(timeout=max(0.0, min(0.5, end - time.monotonic()))):
             if key.data == "accept":
                 conn, peer = tcp.accept()
                 peers.add(peer[0])
+                print(json.dumps({"tcp_peer": list(peer)}), flush=True)
                 sel.register(conn, selectors.EVENT_READ, "conn")
             elif key.data == "udp":
                 data, peer = udp.recvfrom(65536)
                 peers.add(peer[0])
+                if peer not in udp_seen:
+                    udp_seen.add(peer)
+                    print(json.dumps({"udp_peer": list(peer)}), flush=True)
                 udp.sendto(data, peer)
             else:
                 data = key.fileobj.recv(65536)
@@ -108,10 +115,10 @@ def udp(addr: str, port: int, count: int, gap_s: float = 0.002, linger_s: float 
     return {"sent": count, "received": len(seen)}
 
 
-def can_connect(addr: str, port: int, timeout: float) -> dict:
+def can_connect(addr: str, port: int, timeout: float, bind_port: int = 0) -> dict:
     t0 = time.monotonic()
     try:
-        socket.create_connection((addr, port), timeout=timeout).close()
+        socket.create_connection((addr, port), timeout=timeout, source_address=("", bind_port)).close()
         return {"connected": True, "seconds": time.monotonic() - t0}
     except OSError as exc:
         return {"connected": False, "error": type(exc).__name__, "seconds": time.monotonic() - t0}
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--for", dest="seconds", type=float, default=30.0)
     p.add_argument("--count", type=int, default=10)
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--bind-port", type=int, default=0, help="connect from this local port")
     a = p.parse_args(argv)
     if a.command == "serve":
         out = serve(a.addr, a.port, a.seconds)
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.command == "udp":
         out = udp(a.addr, a.port, a.count)
     else:
-        out = can_connect(a.addr, a.port, a.timeout)
+        out = can_connect(a.addr, a.port, a.timeout, a.bind_port)
     print(json.dumps(out), flush=True)
     return 0
 
