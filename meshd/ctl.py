@@ -110,6 +110,18 @@ def coverage_lines(counts: list[int]) -> list[str]:
     return lines
 
 
+def reach_line(reach: dict | None) -> str:
+    """Whether peers could dial this node back, and what they saw."""
+    if not reach or reach["status"] == "unknown":
+        return "reach     unknown (no peer has dialled back yet)"
+    if reach["status"] == "public":
+        n = len(reach["confirmed_by"])
+        return f"reach     public: {n} peer{'s' * (n != 1)} dialled back {', '.join(reach['reached_at'])}"
+    n = len(reach["refuted_by"])
+    seen = f"; seen as {', '.join(reach['observed'])}" if reach["observed"] else ""
+    return f"reach     private: {n} peer{'s' * (n != 1)} could not dial back{seen}"
+
+
 def render_status(st: dict) -> str:
     rng = st.get("range")
     lines = [f"peer      {st['peer_id']}", f"state     {st['state']}",
@@ -119,6 +131,7 @@ def render_status(st: dict) -> str:
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating"]
     lines += [f"addr      {a}" for a in st["addrs"]]
+    lines.append(reach_line(st.get("reachability")))
     lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
     lines.append(f"peers     {len(st['peers'])}")
     for p in st["peers"]:

@@ -35,6 +35,15 @@ def test_a_home_daemon_joins_a_public_one_through_nat_and_generates_across_the_i
             # the public daemon sees the home one over the connection the home opened
             pub.wait_for(lambda s: [p["peer_id"] for p in s["peers"] if p["serving"]] == [st["peer_id"]],
                          timeout=30, what="the home daemon's record")
+            # each learns by dial-back whether it can be dialled: the home one cannot
+            reach = home.wait_for(lambda s: s["reachability"]["status"] == "private", timeout=30,
+                                  what="private reachability")["reachability"]
+            assert reach["refuted_by"] == [pub_st["peer_id"]] and reach["observed"] == [bed.addr("gw0")]
+            reach = pub.wait_for(lambda s: s["reachability"]["status"] == "public", timeout=30,
+                                 what="public reachability")["reachability"]
+            assert reach["confirmed_by"] == [st["peer_id"]] and reach["reached_at"] == [f"/ip4/{bed.addr('pub0')}/tcp/4690"]
+            assert f"reach     private: 1 peer could not dial back; seen as {bed.addr('gw0')}" in \
+                ctl(home.socket, ["status"]).stdout
             out = ctl(home.socket, ["generate", "--max-tokens", str(TOKENS), "--stats", PROMPT], timeout=120)
             assert out.returncode == 0, out.stderr
             local = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", "15", "--max-tokens",
