@@ -166,9 +166,14 @@ def _new_netns(bed: Testbed, name: str, addr: str | None, role: str) -> Host:
     _ip("netns", "add", host.netns)
     bed.hosts[name] = host  # recorded before anything else can fail, so teardown finds it
     _ip("-n", host.netns, "link", "set", "lo", "up")
-    _cmd(in_netns(host.netns, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
-                               "net.ipv6.conf.default.disable_ipv6=1"]))
+    _sysctl(host.netns, {"net/ipv6/conf/all/disable_ipv6": 1, "net/ipv6/conf/default/disable_ipv6": 1})
     return host
+
+
+def _sysctl(netns: str, values: dict[str, int]) -> None:
+    """Set network sysctls of one namespace (/proc/sys/net shows the writer's own namespace)."""
+    script = "; ".join(f"echo {v} > /proc/sys/{k}" for k, v in values.items())
+    _cmd(in_netns(netns, ["sh", "-ec", script]))
 
 
 def _start_switch(bed: Testbed, ports: list[tuple[str, LinkSpec]], seed: int | None) -> None:
@@ -224,7 +229,7 @@ def build(bed: Testbed, public: int, homes: int, delay_ms: float, loss: float, n
         _ip("-n", house.netns, "addr", "add", f"{house.addr}/24", "dev", "eth0")
         _ip("-n", house.netns, "link", "set", "eth0", "up")
         _ip("-n", house.netns, "route", "add", "default", "via", f"{lan}.1")  # the router is inside the bed
-        _cmd(in_netns(gw.netns, ["sysctl", "-qw", "net.ipv4.ip_forward=1"]))
+        _sysctl(gw.netns, {"net/ipv4/ip_forward": 1})
         _cmd(in_netns(gw.netns, ["nft", "-f", "-"]), stdin=router_rules(nat))
 
 
