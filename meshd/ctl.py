@@ -120,6 +120,18 @@ def load_line(st: dict) -> str:
             f" {st.get('busy_refusals', 0)} refused busy, limit {st.get('max_sessions', '-')} sessions")
 
 
+def reach_line(reach: dict | None) -> str:
+    """Whether peers could dial this node back, and what they saw."""
+    if not reach or reach["status"] == "unknown":
+        return "reach     unknown (no peer has dialled back yet)"
+    if reach["status"] == "public":
+        n = len(reach["confirmed_by"])
+        return f"reach     public: {n} peer{'s' * (n != 1)} dialled back {', '.join(reach['reached_at'])}"
+    n = len(reach["refuted_by"])
+    seen = f"; seen as {', '.join(reach['observed'])}" if reach["observed"] else ""
+    return f"reach     private: {n} peer{'s' * (n != 1)} could not dial back{seen}"
+
+
 def render_status(st: dict) -> str:
     rng = st.get("range")
     lines = [f"peer      {st['peer_id']}", f"state     {st['state']}",
@@ -130,6 +142,7 @@ def render_status(st: dict) -> str:
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
              load_line(st)]
     lines += [f"addr      {a}" for a in st["addrs"]]
+    lines.append(reach_line(st.get("reachability")))
     lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
     lines.append(f"peers     {len(st['peers'])}")
     for p in st["peers"]:

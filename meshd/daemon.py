@@ -34,6 +34,7 @@ from meshd.mesh import MeshView
 from meshd.metrics import Metrics
 from meshd.p2p.channel import Channel
 from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
+from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.serve import ShardService
 from meshd.settings import Settings
 from meshd.shard.artifact import open_artifact
@@ -58,7 +59,7 @@ class Daemon:
         self.service: ShardService | None = None
         self.tokenizer = None
         self.entry: Entry | None = None
-        self.host = self.mesh = None
+        self.host = self.mesh = self.reach = None
         self.active_generations = 0
         self.throughput = 0.0  # layer-steps per second, measured once loaded
         self.artifact = self.recipe = None
@@ -89,6 +90,9 @@ class Daemon:
                                         recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
                                         model_name=self.artifact.name, serving=False)
                 self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl)
+                self.reach = Reachability(host, peers=self._mesh_peers)
+                host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
+                nursery.start_soon(self.reach.run)
                 control = ControlServer(self, s.socket_path)
                 await nursery.start(control.serve)
                 if s.http:
@@ -234,6 +238,11 @@ class Daemon:
         maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
         await self.host.connect(PeerInfo(pid, maddrs))
 
+    def _mesh_peers(self) -> list[str]:
+        """Connected peers of this mesh (they hold a record): the ones asked to dial us back."""
+        connected = {p.to_base58() for p in self.host.get_connected_peers()}
+        return [p for p in self.mesh.known if p in connected]
+
     def find_entry(self) -> CoverageRecord | None:
         """A live serving peer that holds layer 0 (for forwarding a request)."""
         for r in self.mesh.coverage.serving().records:
@@ -263,6 +272,7 @@ class Daemon:
             "weight_bytes": self.shard.weight_bytes if self.shard else 0,
             "rss_bytes": rss_bytes(),
             "http": self.http_addrs,
+            "reachability": self.reach.summary() if self.reach else None,
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "queue": self.service.scheduler.queued if self.service else 0,

@@ -19,12 +19,14 @@ START_TIMEOUT = 120.0
 
 
 class DaemonProc:
-    def __init__(self, root: Path, name: str, args: list[str], env: dict | None = None, preexec_fn=None) -> None:
+    def __init__(self, root: Path, name: str, args: list[str], env: dict | None = None, preexec_fn=None,
+                 listen: str = "/ip4/127.0.0.1/tcp/0", wrap: list[str] = ()) -> None:
+        """`wrap` prefixes the command (e.g. `ip netns exec NS`, which keeps the PID)."""
         self.name, self.dir = name, root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.socket = self.dir / "s.sock"
         self.log_path = self.dir / "log"
-        cmd = [sys.executable, "-m", "meshd.cli", "join", "--listen", "/ip4/127.0.0.1/tcp/0",
+        cmd = [*wrap, sys.executable, "-m", "meshd.cli", "join", "--listen", listen,
                "--state-dir", str(self.dir / "state"), "--socket", str(self.socket), *args]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
@@ -90,9 +92,10 @@ class Mesh:
         self.daemons: list[DaemonProc] = []
         self.env = {"MESHD_RECORD_TTL": "8"} if env is None else env
 
-    def start(self, name: str, args: list[str], env: dict | None = None, preexec_fn=None) -> DaemonProc:
-        """`preexec_fn` runs in the child before the daemon starts (e.g. to enter a memory cgroup)."""
-        d = DaemonProc(self.root, name, args, {**self.env, **(env or {})}, preexec_fn)
+    def start(self, name: str, args: list[str], env: dict | None = None, preexec_fn=None, **where) -> DaemonProc:
+        """`preexec_fn` runs in the child before the daemon starts (e.g. to enter a memory cgroup);
+        `where` (`listen`, `wrap`) places it elsewhere than loopback, e.g. in a test-bed host."""
+        d = DaemonProc(self.root, name, args, {**self.env, **(env or {})}, preexec_fn, **where)
         self.daemons.append(d)
         return d
 

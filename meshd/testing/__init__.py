@@ -1,1 +1,1 @@
-"""What tests and benchmarks share: synthetic models, memory-capped process groups."""
+"""What tests and benchmarks share: synthetic models, memory-capped process groups, network test hosts."""

@@ -1,0 +1,1 @@
+"""Reachability (dial-back by peers); later relays and hole punching."""
