@@ -121,7 +121,7 @@ class Entry:
         while True:
             try:
                 try:
-                    await self._attempt(req, ids, max_tokens, eos, epoch, exclude | busy, progress, text, emit)
+                    await self._attempt(req, ids, max_tokens, eos, epoch, exclude, busy, progress, text, emit)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
@@ -158,18 +158,29 @@ class Entry:
                 "route": progress.route, "reroutes": progress.reroutes,
                 "entry_compute_s": round(progress.local_s, 3), "route_wait_s": round(progress.wait_s, 3)}
 
-    def _plan(self, exclude: set[str]) -> Route:
+    def _plan(self, failed: set[str], busy: set[str]) -> Route:
+        """A route around the hops that failed and those that are full. Where only a failed hop
+        covers some layers it is tried again (a broken stream is not always a dead peer; the
+        generation's bounded attempts stop a hop that keeps failing)."""
         d = self.daemon
         coverage = d.mesh.coverage.serving()
+        plan = lambda skip: plan_route(coverage, d.shard.end, latency=dict(d.mesh.latency),  # noqa: E731
+                                       exclude=skip | {d.mesh.peer_id})
         try:
-            return plan_route(coverage, d.shard.end, latency=dict(d.mesh.latency),
-                              exclude=exclude | {d.mesh.peer_id})
+            return plan(failed | busy)
         except NoRoute as exc:
+            if failed:
+                try:
+                    route = plan(busy)
+                    log.info("retrying a failed hop: no other covers its layers", hops=len(route.hops))
+                    return route
+                except NoRoute:
+                    pass
             raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
 
-    async def _attempt(self, req, ids, max_tokens, eos, epoch, exclude, progress: Progress, text, emit) -> None:
+    async def _attempt(self, req, ids, max_tokens, eos, epoch, failed, busy, progress: Progress, text, emit) -> None:
         d = self.daemon
-        route = self._plan(exclude)
+        route = self._plan(failed, busy)
         progress.route = [[d.mesh.peer_id, 0, d.shard.end]] + route.describe()
         sid = os.urandom(16)
         at = Attempt(d.service, progress, sid, epoch)  # this try's own state: nothing shared between generations

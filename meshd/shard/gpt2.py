@@ -106,20 +106,14 @@ def final(tail, x: torch.Tensor, cfg: ModelConfig, rows: Rows) -> torch.Tensor:
 
 
 def layer_forward(p: GPT2Layer, x: torch.Tensor, cfg: ModelConfig, rotary, rows: Rows, li: int) -> torch.Tensor:
+    from meshd.shard.llama import attend
+
+    r, nh, hd = x.shape[1], cfg.n_heads, cfg.head_dim
     h = layer_norm(x, p.ln1_w, p.ln1_b, cfg.norm_eps)
-    qkv = rows.linear(h, p.w_qkv, p.b_qkv)
-    x = x + rows.linear(rows.each(lambda seg, part: _attend(part, cfg, seg, li), qkv), p.wo, p.bo)
+    q, k, v = (t.view(1, r, nh, hd).transpose(1, 2) for t in rows.linear(h, p.w_qkv, p.b_qkv).split(nh * hd, dim=-1))
+    x = x + rows.linear(attend(q, k, v, rows, li), p.wo, p.bo)
     h = layer_norm(x, p.ln2_w, p.ln2_b, cfg.norm_eps)
     return x + rows.linear(F.gelu(rows.linear(h, p.w_fc, p.b_fc), approximate="tanh"), p.w_proj, p.b_proj)
-
-
-def _attend(qkv: torch.Tensor, cfg: ModelConfig, seg, li: int) -> torch.Tensor:
-    from meshd.shard.llama import attention
-
-    n, nh, hd = seg.n, cfg.n_heads, cfg.head_dim
-    q, k, v = (t.view(1, n, nh, hd).transpose(1, 2) for t in qkv.split(nh * hd, dim=-1))
-    keys, values = seg.kv.append(li, k, v, seg.position)
-    return attention(q, keys, values, seg.position).transpose(1, 2).reshape(1, n, nh * hd)
 
 
 def tensor_names(kind: str, cfg: ModelConfig, i: int) -> list[str]:

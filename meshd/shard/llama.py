@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from meshd.shard.config import ModelConfig
 from meshd.shard.linear import Weight, load_matrix, load_table, lookup
-from meshd.shard.rows import Rows, Segment
+from meshd.shard.rows import Rows
 
 
 @dataclass
@@ -115,10 +115,26 @@ class Rotary:
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: [1, heads, n, head_dim] at positions start..start+n-1."""
         n = x.shape[2]
-        tables = self._by_dtype.get(x.dtype)
+        cos, sin = self._tables(x.dtype)
+        return self._rotate(x, cos[start:start + n], sin[start:start + n])
+
+    def apply_rows(self, x: torch.Tensor, rows) -> torch.Tensor:
+        """x: [1, heads, R, head_dim], the stacked rows of `rows`' sessions, each at its positions
+        (elementwise: a row gets the same bits as alone)."""
+        if len(rows.segments) == 1:
+            return self.apply(x, rows.segments[0].position)
+        cos, sin = self._tables(x.dtype)
+        at = rows.positions()
+        return self._rotate(x, cos[at], sin[at])
+
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._by_dtype.get(dtype)
         if tables is None:
-            tables = self._by_dtype[x.dtype] = (self.cos.to(x.dtype), self.signed_sin.to(x.dtype))
-        cos, sin = tables[0][start:start + n], tables[1][start:start + n]
+            tables = self._by_dtype[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
+        return tables
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
@@ -126,33 +142,28 @@ def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rota
                   li: int) -> torch.Tensor:
     """One decoder layer over x [1, R, hidden], the stacked positions of `rows`' sessions; appends
     to each session's KV layer li."""
-    nh, hd = cfg.n_heads, cfg.head_dim
+    nh, nkv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, x.shape[1]
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
     qkv = rows.linear(h, p.wqkv, p.bqkv)
-    attn = rows.each(lambda seg, part: self_attention(part, cfg, rotary, seg, li), qkv)
-    x = x + rows.linear(attn, p.wo)
+    qk = rotary.apply_rows(qkv[..., :(nh + nkv) * hd].view(1, r, nh + nkv, hd).transpose(1, 2), rows)
+    v = qkv[..., (nh + nkv) * hd:].view(1, r, nkv, hd).transpose(1, 2)
+    x = x + rows.linear(attend(qk[:, :nh], qk[:, nh:], v, rows, li), p.wo)
     h = rms_norm(x, p.ffn_norm, cfg.norm_eps)
     gate, up = rows.linear(h, p.w_gate_up).chunk(2, dim=-1)
     return x + rows.linear(F.silu(gate) * up, p.w_down)
 
 
-def self_attention(qkv: torch.Tensor, cfg: ModelConfig, rotary: Rotary, seg: Segment, li: int,
-                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """One session's attention: its fused q|k|v rows [1, n, ...] in, [1, n, heads * head_dim] out.
-    Qwen3 RMS-normalises q and k per head (`q_norm`, `k_norm`) before RoPE."""
-    n, pos = seg.n, seg.position
-    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    v = qkv[..., (nh + nkv) * hd:].view(1, n, nkv, hd).transpose(1, 2)
-    if q_norm is None:
-        qk = rotary.apply(qkv[..., :(nh + nkv) * hd].view(1, n, nh + nkv, hd).transpose(1, 2), pos)
-        q, k = qk[:, :nh], qk[:, nh:]
-    else:
-        q = rms_norm(qkv[..., :nh * hd].view(1, n, nh, hd), q_norm, cfg.norm_eps)
-        k = rms_norm(qkv[..., nh * hd:(nh + nkv) * hd].view(1, n, nkv, hd), k_norm, cfg.norm_eps)
-        q, k = rotary.apply(q.transpose(1, 2), pos), rotary.apply(k.transpose(1, 2), pos)
-    keys, values = seg.kv.append(li, k, v, pos)
-    attn = attention(q if q.dtype == keys.dtype else q.to(keys.dtype), keys, values, pos)
-    return attn.transpose(1, 2).reshape(1, n, nh * hd)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: int) -> torch.Tensor:
+    """Attention of every session over its own KV: q [1, heads, R, hd], k and v [1, kv heads, R, hd]
+    (RoPE applied) in; [1, R, heads * hd] out. Each session's new keys and values go into its cache
+    at layer li first."""
+    heads, r, hd = q.shape[1], q.shape[2], q.shape[3]
+    outs = []
+    for seg, (qs, ks, vs) in zip(rows.segments, zip(*(rows.split_heads(t) for t in (q, k, v)))):
+        keys, values = seg.kv.append(li, ks, vs, seg.position)
+        outs.append(attention(qs if qs.dtype == keys.dtype else qs.to(keys.dtype), keys, values, seg.position))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).reshape(1, r, heads * hd)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:

@@ -136,8 +136,12 @@ def load_layer(artifact, i: int, recipe) -> Qwen3Layer:
 def layer_forward(p: Qwen3Layer, x: torch.Tensor, cfg: ModelConfig, rotary: llama.Rotary, rows: Rows,
                   li: int) -> torch.Tensor:
     """One decoder layer over x [1, R, hidden], the stacked positions of `rows`' sessions."""
+    nh, nkv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, x.shape[1]
     h = llama.rms_norm(x, p.attn_norm, cfg.norm_eps)
     qkv = rows.linear(h, p.wqkv)
-    attn = rows.each(lambda seg, part: llama.self_attention(part, cfg, rotary, seg, li, p.q_norm, p.k_norm), qkv)
-    x = x + rows.linear(attn, p.wo)
+    q = llama.rms_norm(qkv[..., :nh * hd].view(1, r, nh, hd), p.q_norm, cfg.norm_eps)
+    k = llama.rms_norm(qkv[..., nh * hd:(nh + nkv) * hd].view(1, r, nkv, hd), p.k_norm, cfg.norm_eps)
+    v = qkv[..., (nh + nkv) * hd:].view(1, r, nkv, hd).transpose(1, 2)
+    q, k = rotary.apply_rows(q.transpose(1, 2), rows), rotary.apply_rows(k.transpose(1, 2), rows)
+    x = x + rows.linear(llama.attend(q, k, v, rows, li), p.wo)
     return x + p.mlp(llama.rms_norm(x, p.ffn_norm, cfg.norm_eps), rows)

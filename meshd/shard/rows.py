@@ -40,6 +40,7 @@ class Rows:
     def __init__(self, segments: list[Segment]) -> None:
         self.segments = segments
         self.total = sum(s.n for s in segments)
+        self._positions: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, parts: list[tuple[object, int, int]]) -> "Rows":
@@ -49,6 +50,18 @@ class Rows:
             segments.append(Segment(kv, position, n, row))
             row += n
         return cls(segments)
+
+    def positions(self) -> torch.Tensor:
+        """The position of every row, in row order."""
+        if self._positions is None:
+            self._positions = torch.cat([torch.arange(s.position, s.position + s.n) for s in self.segments])
+        return self._positions
+
+    def split_heads(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each session's rows of x [1, heads, R, ...]."""
+        if len(self.segments) == 1:
+            return [x]
+        return [x[:, :, s.row:s.row + s.n] for s in self.segments]
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each session's rows of x [1, R, ...]."""
