@@ -65,6 +65,7 @@ class Daemon:
         self.artifact = self.recipe = None
         self.metrics = Metrics(self)
         self.http_addrs: list[str] = []
+        self._dial_locks: dict[str, trio.Lock] = {}
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.stop_requested = trio.Event()
@@ -114,7 +115,7 @@ class Daemon:
                 self.state = "loading"
                 await self._load(start, end)
                 nursery.start_soon(self._evict_loop)
-                host.set_stream_handler(SHARD_PROTOCOL, self.service.serve_stream)
+                host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
                 host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
                 await self.mesh.publish(serving=True, **self._live_fields())
                 self.state = "serving"
@@ -232,11 +233,31 @@ class Daemon:
         return Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
 
     async def ensure_connected(self, peer_id: str, addrs) -> None:
+        """A connection to a peer that sessions will use. Dials to one peer go one at a time (16
+        sessions opening at once must not dial 16 connections), and the peer is protected from
+        py-libp2p's per-peer trimming: with one connection allowed per peer, a second one (both
+        sides dialling at once) made it close the older connection, streams and all (seen under
+        load: every session on it failed with StreamEOF)."""
         pid = ID.from_base58(peer_id)
-        if pid in self.host.get_connected_peers():
-            return
-        maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
-        await self.host.connect(PeerInfo(pid, maddrs))
+        self.protect(pid)
+        async with self._dial_locks.setdefault(peer_id, trio.Lock()):
+            if pid in self.host.get_connected_peers():
+                return
+            maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+            await self.host.connect(PeerInfo(pid, maddrs))
+
+    def protect(self, pid: ID) -> None:
+        try:
+            self.host.get_network().protect(pid, "meshd-sessions")
+        except Exception:  # an older swarm without tags: nothing to protect against
+            pass
+
+    async def _serve_shard_stream(self, stream) -> None:
+        try:
+            self.protect(stream.muxed_conn.peer_id)  # the peer sends sessions our way: keep its connection
+        except AttributeError:
+            pass
+        await self.service.serve_stream(stream)
 
     def _mesh_peers(self) -> list[str]:
         """Connected peers of this mesh (they hold a record): the ones asked to dial us back."""
