@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " (default 1024)")
     join.add_argument("--busy-wait", type=float, help="seconds a generation waits for room in a full mesh"
                       " before failing with 'mesh busy' (default 30)")
+    join.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds running generations get to"
+                      " finish before the daemon exits (default 30; a second SIGTERM exits at once)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -20,7 +20,7 @@ from libp2p.peer.id import ID
 from meshd.gen import GEN_PROTOCOL, GenerationError
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.wire import ErrorCode, GenerateRequest, StatusRequest, StreamEvent, WireError
+from meshd.wire import DrainRequest, ErrorCode, GenerateRequest, StatusRequest, StreamEvent, WireError
 
 REQUEST_TIMEOUT = 30.0
 FORWARD_EVENT_TIMEOUT = 120.0
@@ -70,6 +70,8 @@ class ControlServer:
             msg = await channel.receive(REQUEST_TIMEOUT)
             if isinstance(msg, StatusRequest):
                 await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=self.daemon.status()))
+            elif isinstance(msg, DrainRequest):
+                await self._drain(channel, msg)
             elif isinstance(msg, GenerateRequest):
                 await self._generate_for(channel, msg, watch_client=True)
             else:
@@ -78,6 +80,17 @@ class ControlServer:
             pass
         finally:
             await channel.aclose()
+
+    async def _drain(self, channel: Channel, msg: DrainRequest) -> None:
+        """Drain (and with `exit`, then stop); answers with the status once nothing runs here."""
+        d = self.daemon
+        if d.state not in ("serving", "draining"):
+            await channel.send(error_event(msg.request_id, ErrorCode.BUSY, f"this daemon is {d.state}, not serving"))
+            return
+        if msg.exit:
+            d.request_stop("meshctl drain --exit")
+        await d.drain("meshctl drain", d.settings.drain_timeout if msg.exit else None)
+        await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=d.status()))
 
     async def serve_remote_generate(self, stream) -> None:
         """/meshd/gen/1.0.0: another daemon forwards its client's request to this entry."""
@@ -130,11 +143,11 @@ class ControlServer:
 
     async def _generate(self, req: GenerateRequest, emit) -> dict:
         d = self.daemon
-        if d.state != "serving":
+        if d.state not in ("serving", "draining"):
             raise GenerationError(ErrorCode.BUSY, f"this daemon is {d.state}, not serving yet")
         d.active_generations += 1
         try:
-            if d.entry is not None:
+            if d.entry is not None and d.state == "serving":  # a draining entry passes new work on
                 return await d.entry.generate(req, emit)
             return await self._forward(req, emit)
         finally:

@@ -4,6 +4,7 @@
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
             [--seed S] [--chat] [--stats] [--ignore-eos] PROMPT
     meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
+    meshctl [--socket PATH] drain [--exit]
 
 Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
 Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 from meshd.settings import default_socket, default_state_dir
-from meshd.wire import Decoder, GenerateRequest, StatusRequest, WireError, encode
+from meshd.wire import Decoder, DrainRequest, GenerateRequest, StatusRequest, WireError, encode
 
 EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED, EXIT_BUSY = 3, 4, 5, 6
 EXIT_FOR = {"no_route": EXIT_NO_ROUTE, "busy": EXIT_BUSY}
@@ -134,7 +135,7 @@ def reach_line(reach: dict | None) -> str:
 
 def render_status(st: dict) -> str:
     rng = st.get("range")
-    lines = [f"peer      {st['peer_id']}", f"state     {st['state']}",
+    lines = [f"peer      {st['peer_id']}", f"state     {st['state']}" + (f" ({st['drain_reason']})" if st.get("drain_reason") else ""),
              f"model     {st['model']} ({(st.get('model_fingerprint') or '')[:12]}, recipe {st['recipe']})",
              f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)",
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
@@ -223,6 +224,27 @@ def chat(path: Path, args, read=input) -> int:
         messages.append({"role": "assistant", "content": answer})
 
 
+def drain(path: Path, args) -> int:
+    """Ask the daemon to drain; returns once it has (its status follows on stdout)."""
+    conn = Connection(path)
+    try:
+        conn.send(DrainRequest(request_id=new_request_id(), exit=args.exit))
+        event = conn.receive(args.timeout)
+    except DaemonSilent as exc:
+        if args.exit:  # the daemon stopped before it could answer
+            return 0
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        conn.close()
+    if event.kind == "error":
+        print(f"meshctl: {event.text}", file=sys.stderr)
+        return EXIT_FAILED
+    st = dict(event.stats)
+    print(f"drained: {st['sessions']} sessions open, state {st['state']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshctl", description="Talk to the local meshd daemon.")
     p.add_argument("--socket", help="the daemon's control socket (default: as meshd chooses)")
@@ -240,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", action="store_true", help="last stderr line: JSON timing and route")
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-text")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
+    dr = sub.add_parser("drain", help="stop taking sessions and wait until running generations finish")
+    dr.add_argument("--exit", action="store_true", help="then stop the daemon (as SIGTERM does)")
+    dr.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the drain")
     c = sub.add_parser("chat", help="an interactive chat in the terminal")
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
@@ -259,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "chat":
             return chat(path, args)
+        if args.command == "drain":
+            return drain(path, args)
         return generate(path, args)
     except DaemonUnreachable as exc:
         print(f"meshctl: {exc}", file=sys.stderr)

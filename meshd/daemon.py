@@ -44,6 +44,7 @@ from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
 from meshd.shard.scheduler import Scheduler
 
+DRAIN_POLL_S = 0.2
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
 log = get_logger(__name__)
 
@@ -66,6 +67,8 @@ class Daemon:
         self.metrics = Metrics(self)
         self.http_addrs: list[str] = []
         self._dial_locks: dict[str, trio.Lock] = {}
+        self._drain_scope = trio.CancelScope()
+        self.drain_reason = ""
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.stop_requested = trio.Event()
@@ -123,6 +126,8 @@ class Daemon:
                          throughput=round(self.throughput, 1))
                 task_status.started()
                 await self.stop_requested.wait()
+                with self._drain_scope:  # a second stop request cancels the wait
+                    await self.drain("stop", self.settings.drain_timeout)
                 self.state = "stopping"
                 log.info("stopping: withdrawing record")
                 await self.mesh.withdraw()
@@ -136,11 +141,34 @@ class Daemon:
             if evicted:
                 log.info("evicted idle sessions", count=len(evicted))
 
+    async def drain(self, reason: str, timeout: float | None = None) -> None:
+        """Leave the mesh gently: refuse new sessions from other daemons, withdraw the record (peers
+        route around this daemon at once), and wait until no session is open here and no
+        generation runs, for at most `timeout` seconds (None: as long as that takes). Sessions
+        still open at the deadline end with the process, and their entries reroute them."""
+        if self.service is None or self.state not in ("serving", "draining"):
+            return
+        if self.state == "serving":
+            self.state = "draining"
+            self.drain_reason = reason
+            self.service.draining = True
+            log.info("draining", reason=reason, sessions=len(self.shard.kv), generations=self.active_generations,
+                     timeout_s=timeout)
+            await self.mesh.withdraw()
+        t0 = time.monotonic()
+        with trio.move_on_after(timeout if timeout is not None else float("inf")):
+            while len(self.service.endpoint.sessions) or self.active_generations:
+                await trio.sleep(DRAIN_POLL_S)
+        log.info("drained", left_sessions=len(self.service.endpoint.sessions), seconds=round(time.monotonic() - t0, 2))
+
     def request_stop(self, reason: str) -> None:
-        """Thread-safe: ask the daemon to withdraw its record and stop."""
+        """Thread-safe: ask the daemon to drain, withdraw its record and stop; asked again while
+        it drains, it stops at once."""
         def stop() -> None:
             log.info("stop requested", reason=reason)
             if self.stop_requested is not None:
+                if self.stop_requested.is_set():
+                    self._drain_scope.cancel()
                 self.stop_requested.set()
 
         try:
@@ -279,6 +307,7 @@ class Daemon:
             "peer_id": rec.peer_id if rec else None,
             "addrs": list(full_addrs(self.host)) if self.host else [],
             "state": self.state,
+            "drain_reason": self.drain_reason,
             "model": self.artifact.name if self.artifact else None,
             "model_fingerprint": self.artifact.fingerprint if self.artifact else None,
             "recipe": self.recipe.name if self.recipe else None,

@@ -63,6 +63,7 @@ class ShardService:
         self._step_done = trio.Event()
         self.links: dict[tuple[bytes, int], Links] = {}  # where each session's outputs go
         self.forwarded = 0  # frames sent straight to a next hop
+        self.draining = False  # leaving the mesh: sessions from other daemons are refused
         self.dial: Callable[[str, list[str]], Awaitable[Channel]] | None = None  # a stream to a peer (daemon)
 
     async def handle(self, msg: Message) -> list[Message]:
@@ -76,7 +77,12 @@ class ShardService:
 
     async def open_linked(self, msg: OpenSession, home: Channel) -> list[Message]:
         """Open a session whose tokens and errors go to `home`, and whose hidden states go straight
-        to the next hop when the sender names one and this daemon can reach it (else back home)."""
+        to the next hop when the sender names one and this daemon can reach it (else back home).
+        A draining daemon refuses as busy, so the entry picks another route at once."""
+        if self.draining:
+            self.endpoint.refused += 1
+            return [Error(code=ErrorCode.BUSY, message="draining: this daemon is leaving the mesh", retriable=True,
+                          request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
         replies = await self.handle(msg)
         if not replies or not isinstance(replies[0], Opened):
             return replies

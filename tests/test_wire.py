@@ -32,18 +32,20 @@ def all_messages():
     return [
         w.Hello(agent="meshd/0.1", peer_id="12D3Koo", model_fingerprint="m" * 64, recipe_fingerprint="r" * 64),
         w.OpenSession(request_id=1, session_id=SID, epoch=0, start=10, end=20, model_fingerprint="m",
-                      recipe_fingerprint="r", max_length=512, temperature=0.7, top_k=40, top_p=0.9, seed=5),
-        w.Opened(request_id=1, session_id=SID, epoch=0),
+                      recipe_fingerprint="r", max_length=512, temperature=0.7, top_k=40, top_p=0.9, seed=5,
+                      next_peer="12D3KooNext", next_addrs="/ip4/127.0.0.1/tcp/1 /ip4/10.0.0.1/tcp/2"),
+        w.Opened(request_id=1, session_id=SID, epoch=0, forwarding=True),
         forward(t),
         w.Token(session_id=SID, epoch=0, step=2, token_id=42, logprob=-0.5),
         w.Token(session_id=SID, epoch=0, step=2, token_id=42),
         w.Close(session_id=SID, epoch=0),
         w.Cancel(session_id=SID, epoch=0, reason="client went away"),
         w.Heartbeat(seq=9, sent_at=1.5),
-        w.Error(code=w.ErrorCode.BUSY, message="full", retriable=True, request_id=4, session_id=SID),
+        w.Error(code=w.ErrorCode.BUSY, message="full", retriable=True, request_id=4, session_id=SID, retry_after_s=0.5),
         w.GenerateRequest(request_id=4, prompt="héllo", max_tokens=8, temperature=0.0, chat=True),
         w.StreamEvent(request_id=4, kind="done", stats={"tokens": 8, "route": [["a", 0, 30]]}),
         w.StatusRequest(request_id=5),
+        w.DrainRequest(request_id=6, exit=True),
     ]
 
 

@@ -178,7 +178,8 @@ def decode_body(body: memoryview, header_len: int, limits: Limits, dctx) -> Mess
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise UnsupportedVersion(f"protocol version {version!r} is not supported (this build speaks {PROTOCOL_VERSION})")
-    cls = MESSAGE_TYPES.get(header.get("t"))  # type: ignore[arg-type]
+    kind = header.get("t")
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is int else None
     if cls is None:
         raise MalformedFrame(f"unknown message type {header.get('t')!r}")
     values = header.get("f")

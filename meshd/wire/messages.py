@@ -31,6 +31,7 @@ class MsgType(enum.IntEnum):
     GENERATE = 16
     STREAM_EVENT = 17
     STATUS = 18
+    DRAIN = 19
 
 
 class Phase(enum.IntEnum):
@@ -231,6 +232,15 @@ class StatusRequest(Message):
     """A client asks its daemon for status; the answer is a StreamEvent of kind "status"."""
 
     request_id: int
+
+
+@message(MsgType.DRAIN)
+class DrainRequest(Message):
+    """A client asks its daemon to drain: take no new sessions, withdraw its record, let running
+    generations finish; `exit` then stops the daemon. The answer is a StreamEvent of kind "status"."""
+
+    request_id: int
+    exit: bool = False
 
 
 @message(MsgType.STREAM_EVENT)
