@@ -43,6 +43,7 @@ class CoverageRecord:
     model_name: str = ""
     serving: bool = False  # False while the weights load: claims the range, takes no sessions yet
     relay_addrs: tuple[str, ...] = field(default=())
+    auto_layers: int = 0  # layers this daemon would serve if it moved (`--layers auto`); 0: it stays put
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at

@@ -1,0 +1,73 @@
+"""Where `--layers auto` daemons should be: the moves that fill gaps and even out redundancy.
+
+Rules: a plan is a pure function of a coverage map (the claims of loading peers included), so every
+daemon that sees the same map computes the same plan and applies only its own line of it; that is
+the tie-break between daemons that joined at the same moment. Only peers that say they may move
+(`auto_layers` > 0) are planned. A move never takes the last server off a layer, and goes only from
+layers that would still be served at least once more than any layer of its target, so every move
+raises the least-served layers and a plan cannot undo itself (no flapping on a steady map). The
+order of movers: claims not yet loaded first (moving them costs nothing), then the peers whose
+layers stay best served without them; ties go by peer id, the higher one moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from meshd.dht.coverage import CoverageMap, choose_range
+from meshd.dht.record import CoverageRecord
+
+
+@dataclass(frozen=True)
+class Move:
+    peer_id: str
+    start: int  # the range it leaves
+    end: int
+    to: tuple[int, int]  # the range it takes
+    reason: str  # for logs and `meshctl status`: "gap [22, 30)" or "balance: ..."
+
+    def describe(self) -> str:
+        return f"{self.start}:{self.end} -> {self.to[0]}:{self.to[1]}: {self.reason}"
+
+
+def target(coverage: CoverageMap, record: CoverageRecord, want: int) -> tuple[tuple[int, int], str] | None:
+    """Where `record`'s peer should go in `coverage` (which may or may not include it), and why;
+    None when it should stay."""
+    others = coverage.without(record.peer_id)
+    counts = others.counts()
+    left = min(counts[record.start:record.end])  # servers of its least-served layer once it leaves
+    if left == 0:
+        return None  # it is the last server of some layer
+    gaps = others.gaps()
+    w0, w1 = choose_range(others, want)
+    if left < max(counts[w0:w1]) + 1:
+        return None
+    filled = [g for g in gaps if g[0] < w1 and w0 < g[1]]
+    if filled:
+        return (w0, w1), "gap " + ", ".join(f"[{a}, {b})" for a, b in filled)
+    return (w0, w1), f"balance: layers {w0}:{w1} had {max(counts[w0:w1])} servers, {record.start}:{record.end} {left + 1}"
+
+
+def plan_moves(coverage: CoverageMap) -> list[Move]:
+    """Moves for the movable peers of `coverage`, each at most once, applied one after another
+    to a working copy so that two peers never go to fill the same layers."""
+    def left(r: CoverageRecord) -> int:
+        return min(coverage.without(r.peer_id).counts()[r.start:r.end])
+
+    movers = sorted((r for r in coverage.records if r.auto_layers > 0), key=lambda r: r.peer_id, reverse=True)
+    movers.sort(key=lambda r: (r.serving, -left(r)))  # stable: ties keep the higher peer id first
+    working, moves = coverage, []
+    for r in movers:
+        found = target(working, r, r.auto_layers)
+        if found is None:
+            continue
+        (a, b), reason = found
+        moves.append(Move(r.peer_id, r.start, r.end, (a, b), reason))
+        working = CoverageMap(working.n_layers, tuple(replace(x, start=a, end=b) if x.peer_id == r.peer_id else x
+                                                      for x in working.records))
+    return moves
+
+
+def own_move(coverage: CoverageMap, peer_id: str) -> Move | None:
+    """This peer's line of the plan, if it has one."""
+    return next((m for m in plan_moves(coverage) if m.peer_id == peer_id), None)
