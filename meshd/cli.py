@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " before failing with 'mesh busy' (default 30)")
     join.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds running generations get to"
                       " finish before the daemon exits (default 30; a second SIGTERM exits at once)")
+    join.add_argument("--move-cooldown", type=float, help="with --layers auto: seconds after a move to fill a gap"
+                      " before this daemon moves again (default 60)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -34,6 +34,7 @@ from meshd.mesh import MeshView
 from meshd.metrics import Metrics
 from meshd.p2p.channel import Channel
 from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
+from meshd.rebalancer import Rebalancer
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.serve import ShardService
 from meshd.settings import Settings
@@ -69,6 +70,7 @@ class Daemon:
         self._dial_locks: dict[str, trio.Lock] = {}
         self._drain_scope = trio.CancelScope()
         self.drain_reason = ""
+        self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.stop_requested = trio.Event()
@@ -111,13 +113,18 @@ class Daemon:
                 if fixed is None:
                     self.state = "choosing layers"
                     start, end = await self._choose_auto(cfg)
-                self.mesh.record = replace(self.mesh.record, start=start, end=end)
+                self.mesh.record = replace(self.mesh.record, start=start, end=end,
+                                           auto_layers=self.rebalancer.want if self.rebalancer else 0)
                 await self.mesh.publish()
+                if self.rebalancer:  # another daemon may have claimed the same layers at the same moment
+                    start, end = await self.rebalancer.settle_claim()
                 nursery.start_soon(self.mesh.publish_loop, self._live_fields)
                 nursery.start_soon(self.mesh.coverage_loop)
                 self.state = "loading"
                 await self._load(start, end)
                 nursery.start_soon(self._evict_loop)
+                if self.rebalancer:
+                    nursery.start_soon(self.rebalancer.run)
                 host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
                 host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
                 await self.mesh.publish(serving=True, **self._live_fields())
@@ -184,11 +191,16 @@ class Daemon:
                 await trio.sleep(0.5)
         want = self.settings.layers_wanted(cfg.n_layers, self._layer_bytes())
         coverage = self.mesh.coverage.without(self.mesh.peer_id)
-        start, end = choose_range(coverage, want)
-        if self.settings.memory:  # the head's embedding and the tail's LM head come on top of the layers
+        self.rebalancer = Rebalancer(self, want)
+        start, end = self._fit(*choose_range(coverage, want))
+        log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())
+        return start, end
+
+    def _fit(self, start: int, end: int) -> tuple[int, int]:
+        """The range cut to --memory: the head's embedding and the tail's LM head come on top of the layers."""
+        if self.settings.memory:
             while end - start > 1 and weight_bytes(self.artifact, self.recipe, start, end) > self.settings.memory:
                 end -= 1
-        log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())
         return start, end
 
     def _layer_bytes(self) -> int:
@@ -213,6 +225,10 @@ class Daemon:
         return max(1, self.shard.kv.bytes_for(2048))
 
     async def _load(self, start: int, end: int) -> None:
+        self._install(await self._open_shard(start, end))
+
+    async def _open_shard(self, start: int, end: int) -> tuple:
+        """Load a range and everything that serves it, without touching what this daemon serves now."""
         check_fits(self.artifact, self.recipe, start, end, memory=self.settings.memory)
 
         def load():
@@ -227,21 +243,34 @@ class Daemon:
             trim_heap()  # the tokenizer's conversion, or the dropped arrays, freed heap the shard's trim did not see
             return shard, tokenizer
 
-        self.shard, self.tokenizer = await self.compute.run(load)
-        endpoint = ShardEndpoint(self.shard, self.artifact.fingerprint, self.recipe_fp,
+        shard, tokenizer = await self.compute.run(load)
+        endpoint = ShardEndpoint(shard, self.artifact.fingerprint, self.recipe_fp,
                                  max_sessions=self.settings.max_sessions)
-        self.service = ShardService(endpoint, self.compute, Scheduler(max_queued=self.settings.max_queue))
-        self.service.on_step = self.metrics.observe_pass
-        self.service.dial = self.dial_shard
-        self.throughput = await self.compute.run(self._measure_throughput)
-        if self.shard.is_head:
-            self.entry = Entry(self, busy_wait_s=self.settings.busy_wait, forwarding=bool(self.settings.forwarding))
+        service = ShardService(endpoint, self.compute, Scheduler(max_queued=self.settings.max_queue))
+        service.on_step = self.metrics.observe_pass
+        service.dial = self.dial_shard
+        throughput = await self.compute.run(self._measure_throughput, shard)
+        return shard, tokenizer, service, throughput
 
-    def _measure_throughput(self) -> float:
+    def _install(self, loaded: tuple) -> None:
+        """Serve a range loaded by `_open_shard`: new sessions and generations go to it from now on."""
+        self.shard, self.tokenizer, self.service, self.throughput = loaded
+        self.entry = (Entry(self, busy_wait_s=self.settings.busy_wait, forwarding=bool(self.settings.forwarding))
+                      if self.shard.is_head else None)
+
+    @staticmethod
+    def _forget_shard() -> None:
+        """Give a dropped shard's memory back to the system (compute thread)."""
+        import gc
+
+        gc.collect()
+        trim_heap()
+
+    def _measure_throughput(self, shard: Shard) -> float:
         """Layer-steps per second of a decode step on this machine (advertised for routing)."""
         import torch
 
-        shard, key = self.shard, ("throughput-probe", 0)
+        key = ("throughput-probe", 0)
         shard.open_session(key, 16)
         x = torch.tensor([[1]]) if shard.is_head else torch.zeros(1, 1, self.artifact.config.hidden)
         try:
@@ -308,6 +337,7 @@ class Daemon:
             "addrs": list(full_addrs(self.host)) if self.host else [],
             "state": self.state,
             "drain_reason": self.drain_reason,
+            "moved": self.rebalancer.summary() if self.rebalancer else "",
             "model": self.artifact.name if self.artifact else None,
             "model_fingerprint": self.artifact.fingerprint if self.artifact else None,
             "recipe": self.recipe.name if self.recipe else None,

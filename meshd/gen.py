@@ -218,7 +218,7 @@ class Entry:
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
-                await d.service.release(local_key)
+                await at.service.release(local_key)  # the shard it opened on, even after a move
                 with trio.move_on_after(2.0):
                     for _, channel in at.hops:
                         try:

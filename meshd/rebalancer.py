@@ -1,0 +1,118 @@
+"""An auto daemon's side of rebalancing: settle a fresh claim, then move when the plan says so.
+
+Rules: the decisions are `meshd.dht.rebalance`'s pure plan; this module only times and applies
+them. A claim (layers chosen, nothing loaded) is re-checked after a short random delay and moved
+at once when it collides. A serving daemon moves only when the plan has named it with the same
+target for `PERSIST_ROUNDS` rounds in a row and still does after a random wait, and then not again
+for `--move-cooldown` seconds (its record says it stays put meanwhile, so the others plan without
+it). A move loads the new range while the old one serves, switches new sessions to it, announces
+it, and frees the old shard once its sessions have finished (at most `--drain-timeout` seconds).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import trio
+
+from meshd.dht.rebalance import Move, own_move
+from meshd.log import get_logger
+
+SETTLE_S = (0.5, 2.0)  # random wait before re-checking a fresh claim
+SETTLE_ROUNDS = 6  # re-checks of a claim at most; then it is loaded as it stands
+REBALANCE_PERIOD_S = 2.0
+PERSIST_ROUNDS = 3  # rounds in a row the plan must name this daemon before it moves
+MOVE_JITTER_S = (0.0, 2.0)
+DRAIN_POLL_S = 0.2
+log = get_logger(__name__)
+
+
+class Rebalancer:
+    def __init__(self, daemon, want: int) -> None:
+        self.daemon = daemon
+        self.want = want  # layers this daemon serves when it chooses (its record's auto_layers)
+        self.cooldown_until = 0.0
+        self.last_move: dict | None = None  # for status: from, to, when, why
+        self.moving: Move | None = None
+
+    @property
+    def mesh(self):
+        return self.daemon.mesh
+
+    async def settle_claim(self) -> tuple[int, int]:
+        """Re-check a published claim until no other claim collides with it; the range to load."""
+        for _ in range(SETTLE_ROUNDS):
+            await trio.sleep(random.uniform(*SETTLE_S))
+            await self.mesh.refresh()
+            move = own_move(self.mesh.coverage, self.mesh.peer_id)
+            if move is None:
+                break
+            start, end = self.daemon._fit(*move.to)
+            log.info("claim moved", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
+            await self.mesh.publish(start=start, end=end)
+        return self.mesh.record.start, self.mesh.record.end
+
+    async def run(self) -> None:
+        """While serving: apply this daemon's line of the plan, with hysteresis."""
+        streak, aim = 0, None
+        while True:
+            await trio.sleep(REBALANCE_PERIOD_S)
+            if self.daemon.state != "serving":
+                streak = 0
+                continue
+            if time.time() < self.cooldown_until:
+                continue
+            if self.mesh.record.auto_layers == 0:  # the cooldown is over: take part in plans again
+                await self.mesh.publish(auto_layers=self.want)
+            move = own_move(self.mesh.coverage, self.mesh.peer_id)
+            if move is None:
+                streak, aim = 0, None
+                continue
+            streak, aim = (streak + 1 if move.to == aim else 1), move.to
+            if streak < PERSIST_ROUNDS:
+                continue
+            streak = 0
+            await trio.sleep(random.uniform(*MOVE_JITTER_S))
+            await self.mesh.refresh()
+            move = own_move(self.mesh.coverage, self.mesh.peer_id)
+            if move is not None and move.to == aim and self.daemon.state == "serving":
+                await self.move(move)
+
+    async def move(self, move: Move) -> None:
+        """Serve `move.to` instead of this daemon's range: load, switch, announce, then free the old."""
+        d = self.daemon
+        start, end = d._fit(*move.to)
+        self.moving = move
+        self.cooldown_until = time.time() + d.settings.move_cooldown
+        log.info("moving", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
+        try:
+            loaded = await d._open_shard(start, end)
+        except Exception as exc:  # no memory for a second shard, most likely: stay, try after the cooldown
+            log.warning("move failed; staying", layers=f"{start}:{end}", error=str(exc) or type(exc).__name__)
+            self.moving = None
+            return
+        old = d.service
+        d._install(loaded)
+        old.draining = True  # its streams' sessions finish; new sessions come to the new shard
+        await self.mesh.publish(start=start, end=end, serving=True, auto_layers=0, **d._live_fields())
+        self.last_move = {"from": [move.start, move.end], "to": [start, end], "at": time.time(),
+                          "reason": move.reason}
+        self.moving = None
+        log.info("moved", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
+        t0 = time.monotonic()
+        with trio.move_on_after(d.settings.drain_timeout):
+            while old.endpoint.sessions:
+                await trio.sleep(DRAIN_POLL_S)
+        log.info("old range freed", layers=f"{move.start}:{move.end}", left_sessions=len(old.endpoint.sessions),
+                 seconds=round(time.monotonic() - t0, 2))
+        del old
+        await d.compute.run(d._forget_shard)
+
+    def summary(self) -> str:
+        """The `moved` line of `meshctl status` ("" before the first move)."""
+        m = self.last_move
+        if m is None:
+            return f"moving {self.moving.describe()}" if self.moving else ""
+        at = time.strftime("%H:%M:%S", time.localtime(m["at"]))
+        return f"{m['from'][0]}:{m['from'][1]} -> {m['to'][0]}:{m['to'][1]} at {at}: {m['reason']}"
