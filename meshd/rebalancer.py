@@ -3,7 +3,8 @@
 Rules: the decisions are `meshd.dht.rebalance`'s pure plan; this module only times and applies
 them. A claim (layers chosen, nothing loaded) is re-checked after a short random delay and moved
 at once when it collides. A serving daemon moves only when the plan has named it with the same
-target for `PERSIST_ROUNDS` rounds in a row and still does after a random wait, and then not again
+target in every round for `PERSIST_ROUNDS` rounds and at least one record TTL (a starved peer can
+miss a refresh and look dead for a moment) and still does after a random wait, and then not again
 for `--move-cooldown` seconds (its record says it stays put meanwhile, so the others plan without
 it). A move loads the new range while the old one serves, switches new sessions to it, announces
 it, and frees the old shard once its sessions have finished (at most `--drain-timeout` seconds).
@@ -22,7 +23,7 @@ from meshd.log import get_logger
 SETTLE_S = (0.5, 2.0)  # random wait before re-checking a fresh claim
 SETTLE_ROUNDS = 6  # re-checks of a claim at most; then it is loaded as it stands
 REBALANCE_PERIOD_S = 2.0
-PERSIST_ROUNDS = 3  # rounds in a row the plan must name this daemon before it moves
+PERSIST_ROUNDS = 3  # rounds in a row the plan must name this daemon before it moves (and one record TTL)
 MOVE_JITTER_S = (0.0, 2.0)
 DRAIN_POLL_S = 0.2
 log = get_logger(__name__)
@@ -55,13 +56,11 @@ class Rebalancer:
 
     async def run(self) -> None:
         """While serving: apply this daemon's line of the plan, with hysteresis."""
-        streak, aim = 0, None
+        streak, aim, since = 0, None, 0.0
         while True:
             await trio.sleep(REBALANCE_PERIOD_S)
-            if self.daemon.state != "serving":
-                streak = 0
-                continue
-            if time.time() < self.cooldown_until:
+            if self.daemon.state != "serving" or time.time() < self.cooldown_until:
+                streak, aim = 0, None
                 continue
             if self.mesh.record.auto_layers == 0:  # the cooldown is over: take part in plans again
                 await self.mesh.publish(auto_layers=self.want)
@@ -69,8 +68,10 @@ class Rebalancer:
             if move is None:
                 streak, aim = 0, None
                 continue
-            streak, aim = (streak + 1 if move.to == aim else 1), move.to
-            if streak < PERSIST_ROUNDS:
+            if move.to != aim:
+                streak, aim, since = 0, move.to, time.monotonic()
+            streak += 1
+            if streak < PERSIST_ROUNDS or time.monotonic() - since < self.mesh.ttl_s:
                 continue
             streak = 0
             await trio.sleep(random.uniform(*MOVE_JITTER_S))

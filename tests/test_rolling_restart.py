@@ -1,0 +1,73 @@
+"""A rolling restart (real daemons, SmolLM2): every daemon of a redundant mesh is stopped with SIGTERM and
+started again, one after another, while a client generates without pause through daemons that are up;
+no generation fails and every output equals the one the untouched mesh gave."""
+
+import threading
+import time
+
+import pytest
+
+from meshd.localmesh import Mesh, ctl
+
+pytestmark = pytest.mark.slow
+PROMPT = "Once upon a time"
+TOKENS = "24"
+
+
+def test_rolling_restart_under_load_loses_no_generation():
+    m = Mesh(env={"MESHD_RECORD_TTL": "8", "MESHD_DRAIN_TIMEOUT": "60"})
+    ranges = [(0, 10), (0, 10), (10, 20), (10, 20), (20, 30), (20, 30)]
+    try:
+        daemons = m.start_chain(ranges, extra=["--threads", "1"])
+        args = {d.name: ["--layers", f"{a}:{b}", "--threads", "1"] for d, (a, b) in zip(daemons, ranges)}
+        reference = ctl(daemons[0].socket, ["generate", "--max-tokens", TOKENS, "--ignore-eos", PROMPT], timeout=120)
+        assert reference.returncode == 0 and reference.stdout.strip(), reference.stderr
+        up = {d.name: d for d in daemons}
+        lock, stop = threading.Lock(), threading.Event()
+        results: list[tuple[str, int, str, str]] = []
+        using: dict[str, str | None] = {"name": None}
+
+        def client() -> None:
+            i = 0
+            while not stop.is_set():
+                with lock:
+                    names = sorted(up)
+                    name = names[i % len(names)]
+                    using["name"] = name
+                    sock = up[name].socket
+                out = ctl(sock, ["generate", "--max-tokens", TOKENS, "--ignore-eos", PROMPT], timeout=180)
+                with lock:
+                    using["name"] = None
+                results.append((name, out.returncode, out.stdout, out.stderr))
+                i += 1
+
+        worker = threading.Thread(target=client, daemon=True)
+        worker.start()
+        boot = daemons[0].addr
+        for i, d in enumerate(list(daemons)):
+            while True:  # take it out of the client's choice, and do not stop it under the client's feet
+                with lock:
+                    if using["name"] != d.name:
+                        up.pop(d.name)
+                        break
+                time.sleep(0.05)
+            assert d.terminate(timeout=90) == 0, d.tail()
+            if d is daemons[0]:
+                boot = daemons[1].addr
+            fresh = m.start(d.name, [*args[d.name], "--bootstrap", boot])
+            fresh.wait_for(lambda s: s["state"] == "serving" and s["coverage"] == [2] * 30, what="back in the mesh")
+            for other in up.values():
+                other.wait_for(lambda s: s["coverage"] == [2] * 30, timeout=60, what="sees it back")
+            with lock:
+                up[d.name] = fresh
+            daemons[i] = fresh
+        time.sleep(2)
+        stop.set()
+        worker.join(200)
+        assert not worker.is_alive()
+        assert len(results) >= len(ranges), results
+        failed = [r for r in results if r[1] != 0 or r[2] != reference.stdout]
+        assert not failed, failed
+        print(f"rolling restart: {len(results)} generations, all equal to the reference")
+    finally:
+        m.close()
