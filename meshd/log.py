@@ -19,10 +19,19 @@ NOISY_LOGGERS = ("libp2p", "multiaddr", "async_service", "transformers", "urllib
 BENIGN_LIBP2P = ("Failed to read DHT message from stream: ", "FIND_NODE key is not a valid PeerId")
 
 
-class DropBenign(logging.Filter):
+class QuietLibraries(logging.Filter):
+    """Drops library records below `level` (py-libp2p sets some of its loggers' levels itself, e.g.
+    its auto-connector's to INFO, so logger levels alone do not hold) and py-libp2p's benign lines."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("libp2p"):
+        if not record.name.startswith(NOISY_LOGGERS):
             return True
+        if record.levelno < self.level:
+            return False
         msg = record.getMessage()
         return not (msg == BENIGN_LIBP2P[0] or msg.startswith(BENIGN_LIBP2P[1]))
 
@@ -46,13 +55,13 @@ def setup_logging(level: str | None = None, json: bool | None = None) -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    quiet = os.environ.get("MESHD_LIBP2P_LOG_LEVEL", "ERROR").upper()
     for handler in logging.getLogger().handlers:
-        handler.addFilter(DropBenign())
+        handler.addFilter(QuietLibraries(logging.getLevelName(quiet)))
     # importing libp2p resets its logger (level WARNING, no propagation: lines reach stderr bare
     # through logging's last-resort handler), so it is imported before the levels are set
     import libp2p  # noqa: F401
 
-    quiet = os.environ.get("MESHD_LIBP2P_LOG_LEVEL", "ERROR").upper()
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(quiet)
         logging.getLogger(name).propagate = True

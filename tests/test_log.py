@@ -12,6 +12,8 @@ kad_dht.logger.warning("Failed to read DHT message from stream: ")
 kad_dht.logger.warning("FIND_NODE key is not a valid PeerId (59 bytes), ignoring")
 kad_dht.logger.warning("a warning")
 kad_dht.logger.error("an error")
+import logging
+logging.getLogger("libp2p.network.auto_connector").info("an info from a logger libp2p set to INFO itself")
 """
 
 

@@ -56,7 +56,7 @@ class Lookup:
                 self.distance[p] = peer_point(p) ^ self.target
                 self.heard.add(p)
 
-    def _front(self) -> list[bytes]:
+    def front(self) -> list[bytes]:
         """The k closest peers known that have not failed, closest first."""
         alive = [p for p in self.distance if p not in self.failed]
         return sorted(alive, key=self.distance.__getitem__)[:self.k]
@@ -66,7 +66,7 @@ class Lookup:
         free = self.alpha - len(self.waiting)
         if free <= 0:
             return []
-        picked = [p for p in self._front() if p in self.heard][:free]
+        picked = [p for p in self.front() if p in self.heard][:free]
         for p in picked:
             self.heard.discard(p)
             self.waiting.add(p)
@@ -87,7 +87,7 @@ class Lookup:
     @property
     def done(self) -> bool:
         """Nothing in flight, and every peer of the front has answered."""
-        return not self.waiting and all(p in self.answered for p in self._front())
+        return not self.waiting and all(p in self.answered for p in self.front())
 
     def result(self) -> list[bytes]:
         """The k closest peers that answered, closest first (where a value goes, or comes from)."""
