@@ -1,6 +1,7 @@
 """The daemon's view of the mesh: its own signed record, publishing, and the coverage map.
 
-Rules: the record is republished well before it expires (a third of its TTL) and pushed to the k
+Rules: the record is republished at half its TTL (a copy with under a third left is pulled, so one
+lost push costs nothing) and pushed, over streams kept open between pushes, to the k
 peers closest to its key (found by a Kademlia walk, `meshd.dht.kad`; in a mesh of up to k daemons,
 every peer), so a refresh round reads the records pushed to it from its own store, without asking
 anyone, and a daemon that dies shows as a gap within one TTL plus one round (1 s). A record not
@@ -59,7 +60,8 @@ class MeshView:
         self.walker.store_local(key, value)
         with trio.move_on_after(LOOKUP_TIMEOUT * 2):
             try:
-                await self.walker.store_at(await self._publish_targets(), key, value, on_rtt=self._observe_rtt)
+                await self.walker.store_at(await self._publish_targets(), key, value, on_rtt=self._observe_rtt,
+                                           keep=True)
             except Exception as exc:  # a failed store is retried at the next republish
                 log.warning("publishing record failed", error=str(exc))
 
@@ -86,9 +88,9 @@ class MeshView:
                 log.warning("withdrawing record failed", error=str(exc))
 
     async def publish_loop(self, live_fields=None) -> None:
-        """Republish every third of the TTL; `live_fields()` supplies fresh throughput, load, capacity."""
+        """Republish every half TTL; `live_fields()` supplies fresh throughput, load, capacity."""
         while True:
-            await trio.sleep(self.ttl_s / 3)
+            await trio.sleep(self.ttl_s / 2)
             try:
                 changes = live_fields() if live_fields else {}
             except Exception:  # a bad number must not stop the record from being refreshed

@@ -46,7 +46,7 @@ class Settings:
     http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""
-    record_ttl: float = 10.0
+    record_ttl: float = 9.0  # republished at half of it; a peer that dies leaves coverage within it + 1 s
     kv_budget: int = 1 << 30
 
     @property

@@ -34,6 +34,8 @@ WALK_TIMEOUT = 6.0  # one walk; whatever answered by then is the result
 GET_QUORUM = 3  # a get ends once this many of the k closest peers known returned a valid value
 ADDR_TTL = 600  # seconds the addresses learnt from an answer stay in the peerstore
 UPKEEP_S = 600.0  # routing-table refresh and expired-entry cleanup (py-libp2p's own period)
+INBOUND_STREAMS = 64  # Kademlia streams a node serves at once (py-libp2p: 12); each republishing
+# peer keeps one open (idle, waiting in a read), so py-libp2p's cap would refuse the 13th pusher
 log = get_logger(__name__)
 
 
@@ -49,6 +51,7 @@ class MeshDHT(KadDHT):
         super().__init__(host, DHTMode.SERVER)
         self.register_validator(NAMESPACE, CoverageValidator())
         self.walker = KadWalker(host, self, k=k)
+        self._inbound_limiter = trio.CapacityLimiter(INBOUND_STREAMS)
 
     async def _run_main_loop(self) -> None:
         while self.manager.is_running:
@@ -69,6 +72,7 @@ class KadWalker:
         self.query_timeout, self.walk_timeout = query_timeout, walk_timeout
         self.me = host.get_id().to_bytes()
         self.queries = 0  # questions sent, for benches and tests
+        self._kept: dict[ID, object] = {}  # peer -> open stream, for republishing to the same peers
 
     async def get(self, key: str, quorum: int = GET_QUORUM) -> bytes | None:
         """The best valid value stored under `key` (ours included), by a walk towards it; None if none."""
@@ -115,10 +119,13 @@ class KadWalker:
         lookup = await self._walk(key_point(key.encode()), ask)
         return [ID(p) for p in lookup.result()]
 
-    async def store_at(self, peers: list[ID], key: str, value: bytes, on_rtt=None) -> int:
+    async def store_at(self, peers: list[ID], key: str, value: bytes, on_rtt=None, keep: bool = False) -> int:
         """PUT_VALUE at each peer (concurrently, each under the query deadline); returns the count
-        stored; `on_rtt(peer_id, seconds)` hears each answered round trip."""
+        stored; `on_rtt(peer_id, seconds)` hears each answered round trip. With `keep` (a record
+        republished to the same peers), streams stay open for the next time, to these peers only."""
         stored = 0
+        if keep:
+            await self.close_kept(set(peers))
 
         async def one(peer: ID) -> None:
             nonlocal stored
@@ -126,7 +133,7 @@ class KadWalker:
             request.record.key, request.record.value = key.encode(), value
             t0 = trio.current_time()
             try:
-                reply = await self._ask(peer, request)
+                reply = await self._ask(peer, request, keep=keep)
             except Exception:
                 return
             if on_rtt is not None:
@@ -218,28 +225,51 @@ class KadWalker:
         except Exception:
             pass
 
-    async def _ask(self, peer: ID, request: Message) -> Message:
-        """One question, one answer, on a fresh stream closed afterwards; raises on any failure."""
+    async def _ask(self, peer: ID, request: Message, keep: bool = False) -> Message:
+        """One question, one answer; raises on any failure. The stream is fresh and closed after,
+        unless `keep`: then the one kept for this peer is used (a fresh one if it broke: a peer
+        resets it after any refusal) and kept again, sparing the protocol negotiation that costs
+        a Python peer about as much as the question itself."""
         self.queries += 1
+        if keep and (kept := self._kept.pop(peer, None)) is not None:
+            try:
+                reply = await self._exchange(kept, request)
+            except Exception:
+                await _discard(kept, ok=False)
+            else:
+                await self._keep(peer, kept)
+                return reply
         stream = None
         ok = False
         try:
             with trio.fail_after(self.query_timeout):
                 stream = await self.host.new_stream(peer, [PROTOCOL_ID])
-                data = request.SerializeToString()
-                await stream.write(varint.encode(len(data)) + data)
-                raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
-            reply = Message()
-            reply.ParseFromString(raw)
+            reply = await self._exchange(stream, request)
             ok = True
             return reply
         finally:
             if stream is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    try:
-                        await (stream.close() if ok else stream.reset())
-                    except Exception:
-                        pass
+                await (self._keep(peer, stream) if ok and keep else _discard(stream, ok))
+
+    async def _exchange(self, stream, request: Message) -> Message:
+        with trio.fail_after(self.query_timeout):
+            data = request.SerializeToString()
+            await stream.write(varint.encode(len(data)) + data)
+            raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+        reply = Message()
+        reply.ParseFromString(raw)
+        return reply
+
+    async def _keep(self, peer: ID, stream) -> None:
+        old = self._kept.get(peer)
+        self._kept[peer] = stream
+        if old is not None and old is not stream:  # two pushes to one peer overlapped: one stream stays
+            await _discard(old, ok=True)
+
+    async def close_kept(self, keep: set[ID] = frozenset()) -> None:
+        """Close the kept streams of every peer not in `keep` (each holds a handler slot at its peer)."""
+        for peer in [p for p in self._kept if p not in keep]:
+            await _discard(self._kept.pop(peer), ok=True)
 
     def _valid(self, key: str, value: bytes) -> bool:
         try:
@@ -248,3 +278,11 @@ class KadWalker:
         except Exception:
             return False
 
+
+async def _discard(stream, ok: bool) -> None:
+    """Close a stream after a clean exchange, reset it after a failed one; never raises, never hangs."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await (stream.close() if ok else stream.reset())
+        except Exception:
+            pass
