@@ -3,7 +3,9 @@
 Starts real daemons on loopback (a chain covering the bundled model, or any ranges), waits until
 every one serves and sees the others, lets them settle, then samples each daemon's CPU time
 (utime + stime from /proc/PID/stat, all threads) over a window of idleness, plus the log lines
-each wrote meanwhile. The goal (issue 11) is an idle daemon under 0.5% of one core.
+each wrote meanwhile. The goal (issue 11) is an idle daemon under 0.5% of one core. Then it kills
+the last daemon (SIGKILL) and times how long the first takes to show its layers as a gap (goal:
+within 10 s).
 Usage: python bench/idle_bench.py [--daemons 3] [--window 30] [--settle 10] [--threads 1]
 Prints a table, then one JSON object on the last line.
 """
@@ -34,13 +36,25 @@ def log_lines(path: Path) -> int:
         return 0
 
 
+def time_to_gap(watcher, victim, timeout: float = 30.0) -> float | None:
+    """Seconds from SIGKILLing `victim` until `watcher` reports a gap (None: not within timeout)."""
+    victim.kill()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = watcher.status(timeout=5.0)
+        if st is not None and st["gaps"]:
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.1)
+    return None
+
+
 def split_ranges(n_daemons: int, n_layers: int = 30) -> list[tuple[int, int]]:
     bounds = [round(i * n_layers / n_daemons) for i in range(n_daemons + 1)]
     return list(zip(bounds, bounds[1:]))
 
 
 def measure(n_daemons: int, window: float, settle: float, threads: int) -> dict:
-    mesh = Mesh(env={"MESHD_RECORD_TTL": os.environ.get("MESHD_RECORD_TTL", "10")})
+    mesh = Mesh(env={k: os.environ[k] for k in ("MESHD_RECORD_TTL",) if k in os.environ})
     try:
         daemons = mesh.start_chain(split_ranges(n_daemons), extra=["--threads", str(threads)])
         time.sleep(settle)
@@ -54,7 +68,8 @@ def measure(n_daemons: int, window: float, settle: float, threads: int) -> dict:
                          "cpu_pct": round(100 * (cpu_seconds(d.proc.pid) - cpu0) / elapsed, 3),
                          "log_lines": log_lines(d.log_path) - lines0})
         alive = [d.status() is not None for d in daemons]
-        return {"window_s": round(elapsed, 1), "settle_s": settle, "daemons": rows, "all_alive": all(alive)}
+        return {"window_s": round(elapsed, 1), "settle_s": settle, "daemons": rows, "all_alive": all(alive),
+                "dead_peer_gap_s": time_to_gap(daemons[0], daemons[-1])}
     finally:
         mesh.close()
 
@@ -72,6 +87,7 @@ def main() -> None:
     print(f"{'daemon':8} {'cpu % core':>10} {'log lines':>10}")
     for r in res["daemons"]:
         print(f"{r['daemon']:8} {r['cpu_pct']:>10.2f} {r['log_lines']:>10}")
+    print(f"a killed daemon's layers became a gap after {res['dead_peer_gap_s']} s (goal: within 10 s)")
     print(json.dumps({"bench": "idle", **res}))
 
 
