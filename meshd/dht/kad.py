@@ -85,10 +85,10 @@ class KadWalker:
             return sum(p in values for p in lookup.front()) >= quorum
 
         async def ask(peer: bytes) -> list[Message.Peer]:
-            reply = await self._ask(ID(peer), Message(type=Message.MessageType.GET_VALUE, key=key.encode()))
-            if reply.HasField("record") and reply.record.value and self._valid(key, reply.record.value):
-                values[peer] = reply.record.value
-            return list(reply.closerPeers)
+            value, closer = await self._get_value(ID(peer), key)
+            if value is not None:
+                values[peer] = value
+            return closer
 
         await self._walk(key_point(key.encode()), ask, enough)
         if not values:
@@ -98,10 +98,13 @@ class KadWalker:
 
     async def get_from(self, peer: ID, key: str) -> bytes | None:
         """The value `peer` holds under `key` (one question, no walk), if valid; raises if it does not answer."""
+        return (await self._get_value(peer, key))[0]
+
+    async def _get_value(self, peer: ID, key: str) -> tuple[bytes | None, list[Message.Peer]]:
+        """GET_VALUE: the valid value `peer` holds under `key` (or None) and the peers it names closer."""
         reply = await self._ask(peer, Message(type=Message.MessageType.GET_VALUE, key=key.encode()))
-        if reply.HasField("record") and reply.record.value and self._valid(key, reply.record.value):
-            return reply.record.value
-        return None
+        value = reply.record.value if reply.HasField("record") and reply.record.value else None
+        return (value if value is not None and self._valid(key, value) else None), list(reply.closerPeers)
 
     async def put(self, key: str, value: bytes) -> int:
         """Store `value` here and at the k closest peers a walk towards `key` finds; returns how many
@@ -113,8 +116,7 @@ class KadWalker:
     async def find_closest(self, key: str) -> list[ID]:
         """The k peers closest to a record key (a GET_VALUE walk: no record key goes in a FIND_NODE)."""
         async def ask(peer: bytes) -> list[Message.Peer]:
-            reply = await self._ask(ID(peer), Message(type=Message.MessageType.GET_VALUE, key=key.encode()))
-            return list(reply.closerPeers)
+            return (await self._get_value(ID(peer), key))[1]
 
         lookup = await self._walk(key_point(key.encode()), ask)
         return [ID(p) for p in lookup.result()]
