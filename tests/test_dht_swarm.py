@@ -17,9 +17,9 @@ from meshd.testing.dhtnet import open_swarm, run_all
 
 N_NODES = 64
 K_SWARM = 8  # replication and walk width: a record lives at 8 of 64 nodes, so lookups must walk
-N_OWNERS = 8  # nodes that publish a live record (the rest only route and store)
+N_OWNERS = 6  # nodes that publish a live record (the rest only route and store)
 N_VANISH = 2  # owners that publish a short-lived record, then leave
-N_ATTACKED = 3  # owners whose records the attacker forges, at every node
+N_ATTACKED = 2  # owners whose records the attacker forges, at every node
 TTL_S, SHORT_TTL_S = 120.0, 10.0
 LIMIT = 6  # operations in flight at once: one process shares this machine's cores among 64 nodes
 
