@@ -70,8 +70,9 @@ def compute_per_pass(daemons) -> list[tuple[float, int]]:
     return [(s["compute_s"], s["steps"]) for s in (fetch_status(d.socket) for d in daemons)]
 
 
-def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool) -> dict:
-    mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0"})
+def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, gather_ms: float = 0.0) -> dict:
+    mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0",
+                     "MESHD_GATHER_MS": str(gather_ms)})
     try:
         daemons = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--threads", str(threads)])
         entry = daemons[0]
@@ -105,10 +106,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--sessions", default="1,4,8,16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per daemon (3 daemons share the box)")
-    ap.add_argument("--modes", default="forward,relay")
+    ap.add_argument("--modes", default="forward,relay", help="forward, relay, gather (forward, waiting"
+                    " --gather-ms before a pass when other sessions' frames are due)")
+    ap.add_argument("--gather-ms", type=float, default=2.0)
     args = ap.parse_args()
     levels = [int(x) for x in args.sessions.split(",")]
-    res = {mode: bench_mode(levels, args.tokens, args.threads, mode == "forward") for mode in args.modes.split(",")}
+    res = {mode: bench_mode(levels, args.tokens, args.threads, mode != "relay", args.gather_ms if mode == "gather" else 0)
+           for mode in args.modes.split(",")}
     print(f"3 daemons on loopback (0:10, 10:20, 20:30), SmolLM2 native, {args.tokens} new tokens a session,"
           f" {args.threads} torch thread(s) each")
     print(f"{'mode':8} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8} {'p95 ms':>8}"

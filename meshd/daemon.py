@@ -17,7 +17,6 @@ from pathlib import Path
 
 import multiaddr
 import trio
-from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
@@ -26,8 +25,8 @@ from meshd.api.http import HttpApi, check_bind, serve_http
 from meshd.compute import ComputeExecutor
 from meshd.control import ControlServer
 from meshd.dht.coverage import choose_range
-from meshd.dht.record import NAMESPACE, CoverageRecord
-from meshd.dht.validator import CoverageValidator
+from meshd.dht.kad import MeshDHT
+from meshd.dht.record import CoverageRecord
 from meshd.gen import GEN_PROTOCOL, SHARD_PROTOCOL, Entry
 from meshd.log import get_logger
 from meshd.mesh import MeshView
@@ -86,8 +85,7 @@ class Daemon:
         key_pair = load_or_create_identity(s.state_path)
         async with open_host(key_pair, s.listen) as host:
             self.host = host
-            dht = KadDHT(host, DHTMode.SERVER)
-            dht.register_validator(NAMESPACE, CoverageValidator())
+            dht = MeshDHT(host)
             async with background_trio_service(dht), trio.open_nursery() as nursery:
                 self.nursery = nursery
                 pid = host.get_id().to_base58()

@@ -1,10 +1,13 @@
 """The daemon's view of the mesh: its own signed record, publishing, and the coverage map.
 
-Rules: the record is republished well before it expires (a third of its TTL), so a daemon that
-dies shows as a gap within one TTL plus one refresh round (interval + round timeout); a connected
-peer is asked for its own record directly, and a round never waits on a frozen peer past its
-timeout; reads that must be fresh drop the local copy
-first (py-libp2p's get_value answers from its local store and caches every read).
+Rules: the record is republished at half its TTL (a copy with under a third left is pulled, so one
+lost push costs nothing) and pushed, over streams kept open between pushes, to the k
+peers closest to its key (found by a Kademlia walk, `meshd.dht.kad`; in a mesh of up to k daemons,
+every peer), so a refresh round reads the records pushed to it from its own store, without asking
+anyone, and a daemon that dies shows as a gap within one TTL plus one round (1 s). A record not
+pushed here, or one about to lapse, is asked of its peer directly when connected, else found by a
+walk; such a pull is not repeated for a peer sooner than a third of the TTL, later still while the
+peer stays unheard of. A round never waits on a frozen peer past its timeout.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from meshd.dht.coverage import CoverageMap
+from meshd.dht.kad import KadWalker
 from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
 from meshd.log import get_logger
 
-COVERAGE_INTERVAL = 1.0
+COVERAGE_INTERVAL = 1.0  # a round that reads only pushed records costs no network traffic
 LOOKUP_TIMEOUT = 3.0  # a lookup through the DHT
 DIRECT_TIMEOUT = 1.5  # asking a connected peer for its own record
 ROUND_TIMEOUT = 3.5  # one refresh round; stragglers are cancelled and asked again next round
+REWALK_S = 60.0  # a publish walks for the closest peers this often, or when the set of peers changed
+MAX_PULL_BACKOFF_S = 60.0  # longest wait between pulls of a peer nobody holds a live record of
 log = get_logger(__name__)
 
 
@@ -35,6 +41,11 @@ class MeshView:
         self.known: dict[str, CoverageRecord] = {}
         self.latency: dict[str, float] = {}  # moving average of a record round trip per peer, seconds
         self.coverage = CoverageMap.build(record.n_layers, [record])
+        self.walker: KadWalker = getattr(dht, "walker", None) or KadWalker(host, dht)
+        self._targets: list[ID] = []  # where the last walk said this daemon's record belongs
+        self._targets_at, self._targets_seen = 0.0, frozenset()
+        self._next_pull: dict[str, tuple[float, float]] = {}  # peer -> (monotonic time, backoff s)
+        self._opened: dict[str, tuple[bytes, CoverageRecord]] = {}  # key -> last verified value
 
     @property
     def peer_id(self) -> str:
@@ -45,11 +56,24 @@ class MeshView:
         self.record = bump(self.record, self.ttl_s, **changes)
         self._rebuild()
         value = sign_record(self.record, self.key_pair.private_key)
+        key = record_key(self.peer_id)
+        self.walker.store_local(key, value)
         with trio.move_on_after(LOOKUP_TIMEOUT * 2):
             try:
-                await self.dht.put_value(record_key(self.peer_id), value)
-            except Exception as exc:  # a failed store is retried at the next refresh
+                await self.walker.store_at(await self._publish_targets(), key, value, on_rtt=self._observe_rtt,
+                                           keep=True)
+            except Exception as exc:  # a failed store is retried at the next republish
                 log.warning("publishing record failed", error=str(exc))
+
+    async def _publish_targets(self) -> list[ID]:
+        """The k peers closest to our key: walked for when the peers we know changed or REWALK_S
+        passed, else the last walk's answer (a republish in a settled mesh costs no walk)."""
+        seen = frozenset(self.dht.routing_table.get_peer_ids()) | frozenset(self.host.get_connected_peers())
+        now = time.monotonic()
+        if not self._targets or seen != self._targets_seen or now - self._targets_at > REWALK_S:
+            self._targets = await self.walker.find_closest(record_key(self.peer_id))
+            self._targets_at, self._targets_seen = now, seen
+        return self._targets
 
     async def withdraw(self) -> None:
         """Publish a record that has already expired, so the range shows as free at once."""
@@ -58,17 +82,15 @@ class MeshView:
         key = record_key(self.peer_id)
         with trio.move_on_after(LOOKUP_TIMEOUT):
             try:
-                self.dht.value_store.put(key.encode(), value)
-                for peer in self.host.get_connected_peers():
-                    with trio.move_on_after(1.0):
-                        await self.dht.value_store._store_at_peer(peer, key.encode(), value)
+                self.walker.store_local(key, value)
+                await self.walker.store_at(list(set(self.host.get_connected_peers()) | set(self._targets)), key, value)
             except Exception as exc:
                 log.warning("withdrawing record failed", error=str(exc))
 
     async def publish_loop(self, live_fields=None) -> None:
-        """Republish every third of the TTL; `live_fields()` supplies fresh throughput, load, capacity."""
+        """Republish every half TTL; `live_fields()` supplies fresh throughput, load, capacity."""
         while True:
-            await trio.sleep(self.ttl_s / 3)
+            await trio.sleep(self.ttl_s / 2)
             try:
                 changes = live_fields() if live_fields else {}
             except Exception:  # a bad number must not stop the record from being refreshed
@@ -77,9 +99,9 @@ class MeshView:
             await self.publish(**changes)
 
     async def fetch(self, peer_id: str) -> CoverageRecord | None:
-        """A fresh, verified record of peer_id: asked of the peer itself first (it always holds its
-        newest record, and a lookup through the DHT can stall on an unrelated dead peer), then
-        through the DHT; None if neither answers in time."""
+        """A fresh, verified record of peer_id: asked of the peer itself when it is connected or can
+        be dialled (it always holds its newest record, and a walk can stall on an unrelated dead
+        peer), else found by a walk; None if neither answers in time."""
         key = record_key(peer_id)
         pid = ID.from_base58(peer_id)
         value = None
@@ -89,15 +111,14 @@ class MeshView:
             with trio.move_on_after(DIRECT_TIMEOUT):
                 try:
                     t0 = time.perf_counter()
-                    value = await self.dht.value_store._get_from_peer(pid, key.encode())
+                    value = await self.walker.get_from(pid, key)
                     self._observe_rtt(peer_id, time.perf_counter() - t0)
                 except Exception:
                     value = None
         else:
-            self.dht.value_store.remove(key.encode())
             with trio.move_on_after(LOOKUP_TIMEOUT):
                 try:
-                    value = await self.dht.get_value(key)
+                    value = await self.walker.get(key)
                 except Exception:
                     value = None
         if not isinstance(value, bytes):
@@ -110,8 +131,9 @@ class MeshView:
     async def refresh(self) -> CoverageMap:
         """Rebuild the coverage map from fresh records of every peer we know of.
 
-        Each record is taken in as soon as it arrives, so one slow or frozen peer (whose lookup
-        runs to its timeout) does not let everyone else's records age out meanwhile.
+        Records pushed here are read from the local store; the others are pulled, each taken in as
+        soon as it arrives, so one slow or frozen peer (whose pull runs to its timeout) does not
+        let everyone else's records age out meanwhile.
         """
         candidates = {p.to_base58() for p in self.dht.routing_table.get_peer_ids()}
         candidates |= {p.to_base58() for p in self.host.get_connected_peers()}
@@ -122,26 +144,61 @@ class MeshView:
         except Exception:
             pass
         candidates.discard(self.peer_id)
+        now, clock = time.time(), time.monotonic()
 
-        async def one(pid: str) -> None:
-            rec = await self.fetch(pid)
+        def take(pid: str, rec: CoverageRecord | None) -> None:
             if rec is not None and rec.model == self.record.model:
                 old = self.known.get(pid)
                 if old is None or rec.seq >= old.seq:
                     self.known[pid] = rec
                     self._rebuild()
 
+        async def pull(pid: str) -> None:
+            rec = await self.fetch(pid)
+            take(pid, rec)
+            backoff = self._next_pull.get(pid, (0.0, 0.0))[1]
+            backoff = self.ttl_s / 3 if rec is not None else min(MAX_PULL_BACKOFF_S, max(self.ttl_s / 3, 2 * backoff))
+            self._next_pull[pid] = (time.monotonic() + backoff, backoff)
+
         with trio.move_on_after(ROUND_TIMEOUT):
             async with trio.open_nursery() as nursery:
                 for pid in candidates:
-                    nursery.start_soon(one, pid)
-        now = time.time()
+                    pushed = self._stored_record(pid, now)
+                    take(pid, pushed)
+                    if pushed is not None and pushed.expires_at - now > self.ttl_s / 3:
+                        continue  # pushed and fresh: its owner republishes long before it lapses
+                    if self._next_pull.get(pid, (0.0, 0.0))[0] <= clock:
+                        nursery.start_soon(pull, pid)
+        for pid in set(self._next_pull) - candidates:
+            del self._next_pull[pid]
         for pid, rec in list(self.known.items()):  # forget peers whose records lapsed
             if rec.expired(now):
                 del self.known[pid]
                 self.latency.pop(pid, None)
         self._rebuild(now)
         return self.coverage
+
+    def _stored_record(self, peer_id: str, now: float) -> CoverageRecord | None:
+        """The live record of peer_id held in our own store (pushed here), verified once per value."""
+        key = record_key(peer_id)
+        stored = self.dht.value_store.get(key.encode())
+        if stored is None:
+            self._opened.pop(key, None)
+            return None
+        cached = self._opened.get(key)
+        if cached is not None and cached[0] == stored.value:
+            rec = cached[1]
+        else:
+            try:
+                rec = open_record(stored.value, key=key, allow_expired=True)
+            except RecordError:
+                return None
+            self._opened[key] = (stored.value, rec)
+        if rec.expired(now):  # useless to anyone (validators refuse it): it stops naming a candidate
+            self.dht.value_store.remove(key.encode())
+            self._opened.pop(key, None)
+            return None
+        return rec
 
     async def _reconnect(self, pid: ID, key: str) -> None:
         """Dial a peer we hold a record of (ours, or one stored at us), so it can be asked directly.
@@ -199,7 +256,7 @@ class MeshView:
                 continue
             await self.dht.add_peer(pid)
             reached.append(pid.to_base58())
-        if reached:
+        if reached:  # a Kademlia join: look ourselves up, so the peers closest to us learn of us
             with trio.move_on_after(LOOKUP_TIMEOUT * 2):
-                await self.dht.refresh_routing_table()
+                await self.walker.find_peers(self.host.get_id())
         return reached

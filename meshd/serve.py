@@ -10,6 +10,7 @@ behind; every failure goes back as an `Error` frame.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
@@ -28,6 +29,7 @@ from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Heartbeat, Hel
 
 IDLE_TIMEOUT = 300.0
 DIAL_TIMEOUT = 10.0  # reaching the next hop of a session
+GATHER_S = float(os.environ.get("MESHD_GATHER_MS", "0")) / 1000  # (experiment) wait before a pass
 WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream
 log = get_logger(__name__)
 
@@ -64,6 +66,7 @@ class ShardService:
         self.links: dict[tuple[bytes, int], Links] = {}  # where each session's outputs go
         self.forwarded = 0  # frames sent straight to a next hop
         self.draining = False  # leaving the mesh: sessions from other daemons are refused
+        self.gather_s = GATHER_S
         self.dial: Callable[[str, list[str]], Awaitable[Channel]] | None = None  # a stream to a peer (daemon)
 
     async def handle(self, msg: Message) -> list[Message]:
@@ -154,6 +157,10 @@ class ShardService:
         self._stepping = True
         batch: list = []
         try:
+            if self.gather_s and len(self.endpoint.sessions) > self.scheduler.waiting() > 0:
+                # other sessions' frames of the same upstream pass are arriving on their own streams
+                # a moment apart: wait for them, so one pass takes them all (not 1, then the rest)
+                await trio.sleep(self.gather_s)
             batch = self.scheduler.schedule()
             if not batch:
                 return

@@ -46,7 +46,7 @@ class Settings:
     http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""
-    record_ttl: float = 10.0
+    record_ttl: float = 9.0  # republished at half of it; a peer that dies leaves coverage within it + 1 s
     kv_budget: int = 1 << 30  # bytes of KV cache for all sessions together
     max_sessions: int = 64  # sessions this daemon holds at once; more are answered `busy`
     max_queue: int = 1024  # forward frames waiting for a pass; more are answered `busy`

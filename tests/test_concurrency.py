@@ -1,12 +1,13 @@
 """Many users at once on real daemons (SmolLM2, native lane, loopback): batched generations equal their
 solo text; a full mesh answers `busy` and keeps serving; a hop killed under concurrent load is routed
-around for every generation."""
+around for every generation, greedy and seeded alike (same text alone, in a batch and after the reroute)."""
 
 import json
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from meshd.ctl import EXIT_BUSY
@@ -18,10 +19,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 N = 24
 
 
-def start(args: list[str], prompt: str, tokens: int = N) -> subprocess.Popen:
+def start(args: list[str], prompt: str, tokens: int = N, sampling: tuple = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "meshd.ctl", *args, "generate", "--max-tokens", str(tokens),
-                             "--ignore-eos", "--stats", prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             "--ignore-eos", "--stats", *sampling, prompt], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def sampling_for(i: int) -> tuple:
+    """Greedy for even i; seeded sampling for odd i (its draws depend on seed and position only)."""
+    return () if i % 2 == 0 else ("--temperature", "0.9", "--top-k", "40", "--seed", str(i))
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
@@ -71,7 +77,7 @@ def test_a_full_mesh_answers_busy_and_stays_up():
     m = Mesh()
     try:
         # each daemon holds 3 sessions; a generation waits half a second for room, then gives up
-        bounds = ["--threads", "1", "--max-sessions", "3", "--busy-wait", "0.5"]
+        bounds = ["--threads", "1", "--max-sessions", "3", "--busy-wait", "0.5", "--http", "127.0.0.1:0"]
         a, *_ = m.start_chain([(0, 10), (10, 20), (20, 30)], extra=bounds)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
         solo = solo_texts(a.socket, PROMPTS, 32)
@@ -90,6 +96,18 @@ def test_a_full_mesh_answers_busy_and_stays_up():
         # once the crowd is gone the mesh serves as before
         (code, text, err), = finish([start(["--socket", str(a.socket)], PROMPTS[0], 32)])
         assert code == 0 and text == solo[PROMPTS[0]], err
+        # HTTP clients of a full mesh get 429 with Retry-After (the openai library backs off on it)
+        long = [start(["--socket", str(a.socket)], PROMPTS[0], 2000) for _ in range(3)]
+        try:
+            a.wait_for(lambda s: s["sessions"] == 3, timeout=60, what="three sessions held")
+            r = httpx.post(a.status()["http"][0] + "/v1/completions", timeout=30,
+                           json={"prompt": "Hi", "max_tokens": 4})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert "mesh busy" in r.json()["error"]["message"]
+        finally:
+            for p in long:
+                p.kill()
+                p.communicate()
     finally:
         m.close()
 
@@ -99,8 +117,12 @@ def test_concurrent_generations_survive_a_killed_redundant_hop():
     try:
         a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)], extra=["--threads", "1"])
         prompts = PROMPTS[:6]
-        solo = solo_texts(a.socket, prompts, 48)
-        procs = [start(["--socket", str(a.socket)], p, 48) for p in prompts]
+        solo = {}
+        for i, p in enumerate(prompts):
+            (code, text, err), = finish([start(["--socket", str(a.socket)], p, 48, sampling_for(i))])
+            assert code == 0, err
+            solo[p] = text
+        procs = [start(["--socket", str(a.socket)], p, 48, sampling_for(i)) for i, p in enumerate(prompts)]
         firsts = [p.stdout.read(1) for p in procs]  # every generation is under way
         assert all(firsts)
         busy = max((b1, b2), key=lambda d: d.status()["sessions"])

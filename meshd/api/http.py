@@ -23,7 +23,7 @@ from meshd.api import openai
 from meshd.gen import GenerationError
 from meshd.log import get_logger
 from meshd.metrics import ended_normally
-from meshd.wire import StreamEvent
+from meshd.wire import ErrorCode, StreamEvent
 
 MAX_BODY = 1 << 20
 log = get_logger(__name__)
@@ -139,7 +139,10 @@ class HttpApi:
         try:
             stats, stopped = await self._run(c, collect)
         except GenerationError as exc:
-            return await self._json(send, *self._error(exc))
+            status, body = self._error(exc)
+            # a full mesh: clients (the openai library among them) back off and retry on 429 + Retry-After
+            retry = [(b"retry-after", b"1")] if exc.code == ErrorCode.BUSY else []
+            return await self._json(send, status, body, retry)
         reason = openai.finish_reason(stopped, stats.get("tokens", 0), c.request.max_tokens)
         await self._json(send, 200, openai.answer(c, "".join(parts), reason, stats))
 
@@ -182,13 +185,14 @@ class HttpApi:
             if not msg.get("more_body"):
                 return body
 
-    async def _json(self, send, status: int, obj) -> None:
-        await self._send(send, status, json.dumps(obj).encode(), "application/json")
+    async def _json(self, send, status: int, obj, headers: list | None = None) -> None:
+        await self._send(send, status, json.dumps(obj).encode(), "application/json", headers)
 
     @staticmethod
-    async def _send(send, status: int, body: bytes, ctype: str) -> None:
+    async def _send(send, status: int, body: bytes, ctype: str, headers: list | None = None) -> None:
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
+                                *(headers or [])]})
         await send({"type": "http.response.body", "body": body})
 
 

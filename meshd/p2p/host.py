@@ -2,7 +2,8 @@
 
 Rules (from py-libp2p 0.8.1's measured pitfalls): offer Noise alone (the default also accepts
 plaintext); cap connections per peer at one (the default makes every connect wait ~250 ms);
-keep libp2p's own loggers quiet. Streams are framed by `StreamChannel` (meshd.wire over a stream).
+keep libp2p's own loggers quiet; dial only the peers meshd asks for (py-libp2p's auto-connector
+would dial every peer in the peerstore, which DHT walks fill, until it holds 150 connections). Streams are framed by `StreamChannel` (meshd.wire over a stream).
 """
 
 from __future__ import annotations
@@ -42,9 +43,16 @@ def load_or_create_identity(state_dir: Path):
 
 def make_host(key_pair):
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519().private_key)
-    return new_host(key_pair=key_pair, sec_opt={NOISE_PROTOCOL_ID: noise},
+    host = new_host(key_pair=key_pair, sec_opt={NOISE_PROTOCOL_ID: noise},
                     muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
                     connection_config=ConnectionConfig(max_connections_per_peer=1))
+    host.get_network().auto_connector.maybe_connect = _dial_nothing
+    return host
+
+
+async def _dial_nothing() -> None:
+    """Stands in for py-libp2p's auto-connect round (its watermarks cannot switch it off: the
+    target is their midpoint, and a high watermark of zero prunes every connection)."""
 
 
 @asynccontextmanager
