@@ -6,13 +6,14 @@ from the first start. "complete": every daemon sees every layer served; "even": 
 every layer served N*K/L times (when that is whole). Then the servers of the range the last daemon
 took are killed (SIGKILL) and the time until every survivor sees complete coverage again is taken.
 Usage: python bench/join_bench.py [--daemons 6] [--num-layers 10] [--kill]
-Prints one JSON object on the last line.
+Prints a JSON object after each phase (the last line has them all).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 
 from meshd.localmesh import Mesh
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--kill", action="store_true", help="then kill the servers of one range and time the heal")
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop the daemons too
     mesh = Mesh(env={"MESHD_RECORD_TTL": "8", "MESHD_MOVE_COOLDOWN": "30"})
     out: dict = {"daemons": a.daemons, "num_layers": a.num_layers}
     try:
@@ -41,6 +43,7 @@ def main() -> None:
         daemons = [first] + [mesh.start(f"d{i}", [*args, "--bootstrap", boot]) for i in range(1, a.daemons)]
         wait_all(daemons, lambda s: s["state"] == "serving" and s["complete"], a.timeout, "complete")
         out["complete_s"] = round(time.monotonic() - t0, 1)
+        print(json.dumps(out), flush=True)
         n_layers = daemons[0].status()["n_layers"]
         if a.daemons * a.num_layers % n_layers == 0:
             even = [a.daemons * a.num_layers // n_layers] * n_layers
@@ -49,6 +52,7 @@ def main() -> None:
         status = {d.name: d.status() for d in daemons}
         out["ranges"] = sorted(tuple(s["range"]) for s in status.values())
         out["moves_while_joining"] = sum(bool(s["moved"]) for s in status.values())
+        print(json.dumps(out), flush=True)
         if a.kill:
             victim = status[daemons[-1].name]["range"]
             dead = [d for d in daemons if status[d.name]["range"] == victim]

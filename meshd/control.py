@@ -24,6 +24,7 @@ from meshd.wire import DrainRequest, ErrorCode, GenerateRequest, StatusRequest, 
 
 REQUEST_TIMEOUT = 30.0
 FORWARD_EVENT_TIMEOUT = 120.0
+FORWARD_TRIES = 3  # entries tried for one forwarded request
 log = get_logger(__name__)
 
 
@@ -154,10 +155,29 @@ class ControlServer:
             d.active_generations -= 1
 
     async def _forward(self, req: GenerateRequest, emit) -> dict:
+        """Forward to an entry; one that cannot be reached or refuses before any text (its record can
+        lag behind it: an entry that just stopped) is passed over for another, up to FORWARD_TRIES."""
+        tried: set[str] = set()
+        while True:
+            entry = self.daemon.find_entry(exclude=tried)
+            if entry is None:
+                raise GenerationError(ErrorCode.NO_ROUTE, "no live daemon serves layer 0 (no entry point)")
+            texts = []
+
+            async def passed_on(event: StreamEvent) -> None:
+                texts.append(event)
+                await emit(event)
+
+            try:
+                return await self._forward_to(entry, req, passed_on)
+            except GenerationError as exc:
+                tried.add(entry.peer_id)
+                if texts or exc.code not in (ErrorCode.HOP_FAILED, ErrorCode.BUSY) or len(tried) >= FORWARD_TRIES:
+                    raise
+                log.info("entry failed; trying another", entry=entry.peer_id[-8:], error=str(exc))
+
+    async def _forward_to(self, entry, req: GenerateRequest, emit) -> dict:
         d = self.daemon
-        entry = d.find_entry()
-        if entry is None:
-            raise GenerationError(ErrorCode.NO_ROUTE, "no live daemon serves layer 0 (no entry point)")
         try:
             with trio.fail_after(REQUEST_TIMEOUT):
                 await d.ensure_connected(entry.peer_id, entry.addrs)

@@ -159,6 +159,7 @@ class Daemon:
             self.service.draining = True
             log.info("draining", reason=reason, sessions=len(self.shard.kv), generations=self.active_generations,
                      timeout_s=timeout)
+            self.mesh.record = replace(self.mesh.record, leaving=True)  # rebalancing plans go without it
             await self.mesh.withdraw()
         t0 = time.monotonic()
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
@@ -319,10 +320,10 @@ class Daemon:
         connected = {p.to_base58() for p in self.host.get_connected_peers()}
         return [p for p in self.mesh.known if p in connected]
 
-    def find_entry(self) -> CoverageRecord | None:
-        """A live serving peer that holds layer 0 (for forwarding a request)."""
+    def find_entry(self, exclude=()) -> CoverageRecord | None:
+        """A live serving peer that holds layer 0 (for forwarding a request), not one in `exclude`."""
         for r in self.mesh.coverage.serving().records:
-            if r.start == 0 and r.peer_id != self.mesh.peer_id:
+            if r.start == 0 and r.peer_id != self.mesh.peer_id and r.peer_id not in exclude:
                 return r
         return None
 

@@ -93,6 +93,12 @@ def test_a_killed_daemon_leaves_a_gap_a_redundant_one_fills():
     assert healed.complete and max(healed.counts()) == 2
 
 
+def test_a_draining_daemon_counts_for_nothing():
+    c = cov(rec("a", 0, 10), rec("b", 10, 20), rec("d", 0, 10),
+            replace(rec("e", 20, 30, serving=False), leaving=True))
+    assert [(m.peer_id, m.to) for m in plan_moves(c)] == [("d", (20, 30))]
+
+
 def test_cooling_down_peers_are_not_planned():
     c = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), rec("pB", 12, 22, auto=0))
     assert [m.peer_id for m in plan_moves(c)] == ["pA"]  # pB would go first, but it just moved

@@ -50,7 +50,9 @@ def target(coverage: CoverageMap, record: CoverageRecord, want: int) -> tuple[tu
 
 def plan_moves(coverage: CoverageMap) -> list[Move]:
     """Moves for the movable peers of `coverage`, each at most once, applied one after another
-    to a working copy so that two peers never go to fill the same layers."""
+    to a working copy so that two peers never go to fill the same layers. Peers that are leaving
+    (draining) count for nothing."""
+    coverage = CoverageMap(coverage.n_layers, tuple(r for r in coverage.records if not r.leaving))
     def left(r: CoverageRecord) -> int:
         return min(coverage.without(r.peer_id).counts()[r.start:r.end])
 

@@ -44,6 +44,7 @@ class CoverageRecord:
     serving: bool = False  # False while the weights load: claims the range, takes no sessions yet
     relay_addrs: tuple[str, ...] = field(default=())
     auto_layers: int = 0  # layers this daemon would serve if it moved (`--layers auto`); 0: it stays put
+    leaving: bool = False  # draining: its layers are as good as gone (a claim while loading is not)
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
