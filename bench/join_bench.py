@@ -57,6 +57,9 @@ def main() -> None:
             victim = status[daemons[-1].name]["range"]
             dead = [d for d in daemons if status[d.name]["range"] == victim]
             alive = [d for d in daemons if d not in dead]
+            if len(dead) < 2:
+                print(json.dumps({**out, "kill": "skipped: that range has one server, nobody could heal it"}))
+                return
             for d in dead:
                 d.kill()
             t1 = time.monotonic()

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from meshd.localmesh import Mesh
+from meshd.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 ENV = {"MESHD_RECORD_TTL": "8", "MESHD_MOVE_COOLDOWN": "30"}
-JOIN_BOUND_S = 120.0  # measured: see README "Join a mesh" (x3 and more on this shared 2-core machine)
-HEAL_BOUND_S = 90.0  # measured: see README
+JOIN_BOUND_S = 150.0  # measured 24-51 s on a shared 2-core machine (README, "Join a mesh"): about 3x
+HEAL_BOUND_S = 60.0  # measured 16-18 s (gap seen after 6-8 s, then a record TTL of hysteresis, then a load)
 
 
 def start_auto(mesh: Mesh, n: int, num_layers: int = 10) -> list:
@@ -40,6 +40,7 @@ def test_six_auto_daemons_cover_twice_then_heal_after_two_are_killed():
         daemons = start_auto(mesh, 6)
         wait_counts(daemons, [2] * 30, JOIN_BOUND_S)
         joined = time.monotonic() - t0
+        assert joined <= JOIN_BOUND_S, joined
         print(f"six auto daemons: every layer served twice after {joined:.1f} s")
         before = {d.name: d.status() for d in daemons}
         ranges = {name: tuple(st["range"]) for name, st in before.items()}
@@ -56,11 +57,14 @@ def test_six_auto_daemons_cover_twice_then_heal_after_two_are_killed():
         for d in alive:
             d.wait_for(lambda s: s["complete"] and s["state"] == "serving", timeout=HEAL_BOUND_S, what="healed")
         healed = time.monotonic() - t1
+        assert healed <= HEAL_BOUND_S, healed
         print(f"two killed: gap seen after {gap_seen:.1f} s, healed after {healed:.1f} s")
         movers = [d.status() for d in alive]
         moved = [s for d, s in zip(alive, movers) if s["moved"] != before[d.name]["moved"]]
         assert len(moved) == 1 and moved[0]["range"] == list(victim)
         assert f"-> {victim[0]}:{victim[1]} at " in moved[0]["moved"] and f"gap [{victim[0]}, {victim[1]})" in moved[0]["moved"]
         assert sorted(movers[0]["coverage"]) == [1] * 20 + [2] * 10
+        mover = alive[[s["peer_id"] for s in movers].index(moved[0]["peer_id"])]
+        assert f"moved     {moved[0]['moved']}" in ctl(mover.socket, ["status"]).stdout
     finally:
         mesh.close()
