@@ -5,6 +5,8 @@ The first daemon is started alone and is the bootstrap of the other five, which 
 moment as soon as it listens (before it has chosen its own layers): one bootstrap is how an operator
 starts a mesh, and six daemons that all race for the same empty map are the hard case."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -66,5 +68,37 @@ def test_six_auto_daemons_cover_twice_then_heal_after_two_are_killed():
         assert sorted(movers[0]["coverage"]) == [1] * 20 + [2] * 10
         mover = alive[[s["peer_id"] for s in movers].index(moved[0]["peer_id"])]
         assert f"moved     {moved[0]['moved']}" in ctl(mover.socket, ["status"]).stdout
+    finally:
+        mesh.close()
+
+
+def test_a_move_lets_the_running_generation_finish_on_the_old_range():
+    """An auto entry redundant on 0:10 moves to fill a drained daemon's 20:30 while it runs a long
+    generation: the generation finishes on the old shard, unchanged, and then the old shard is freed."""
+    mesh = Mesh(env=ENV)
+    try:
+        a, b, c = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--threads", "1"])
+        m = mesh.start("m", ["--layers", "auto", "--num-layers", "10", "--threads", "1", "--bootstrap", a.addr])
+        assert m.wait_serving()["range"] == [0, 10]  # the least-served window, earliest
+        args = ["generate", "--max-tokens", "600", "--ignore-eos", "Once upon a time"]
+        solo = ctl(m.socket, args, timeout=300)
+        assert solo.returncode == 0, solo.stderr
+        running = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(m.socket), *args],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = running.stdout.read(1)
+        assert first and m.status()["sessions"] == 1
+        drain = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(c.socket), "drain"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        st = m.wait_for(lambda s: s["moved"].startswith("0:10 -> 20:30"), timeout=60, what="the move")
+        assert running.poll() is None, "the generation ended before the move: make it longer"
+        assert st["range"] == [20, 30] and "gap [20, 30)" in st["moved"]
+        rest, err = running.communicate(timeout=300)
+        assert running.returncode == 0, err
+        assert first + rest == solo.stdout
+        assert drain.wait(60) == 0  # c drained once the generation was done
+        freed = m.wait_for(lambda s: s["sessions"] == 0, timeout=30, what="old shard freed")
+        assert freed["coverage"] == [1] * 30
+        assert '"left_sessions": 0' in next(line for line in m.log_path.read_text().splitlines()
+                                            if '"old range freed"' in line)
     finally:
         mesh.close()
