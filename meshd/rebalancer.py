@@ -33,7 +33,7 @@ class Rebalancer:
     def __init__(self, daemon, want: int) -> None:
         self.daemon = daemon
         self.want = want  # layers this daemon serves when it chooses (its record's auto_layers)
-        self.cooldown_until = 0.0
+        self.cooldown_until = 0.0  # trio time
         self.last_move: dict | None = None  # for status: from, to, when, why
         self.moving: Move | None = None
 
@@ -59,7 +59,7 @@ class Rebalancer:
         streak, aim, since = 0, None, 0.0
         while True:
             await trio.sleep(REBALANCE_PERIOD_S)
-            if self.daemon.state != "serving" or time.time() < self.cooldown_until:
+            if self.daemon.state != "serving" or trio.current_time() < self.cooldown_until:
                 streak, aim = 0, None
                 continue
             if self.mesh.record.auto_layers == 0:  # the cooldown is over: take part in plans again
@@ -69,9 +69,9 @@ class Rebalancer:
                 streak, aim = 0, None
                 continue
             if move.to != aim:
-                streak, aim, since = 0, move.to, time.monotonic()
+                streak, aim, since = 0, move.to, trio.current_time()
             streak += 1
-            if streak < PERSIST_ROUNDS or time.monotonic() - since < self.mesh.ttl_s:
+            if streak < PERSIST_ROUNDS or trio.current_time() - since < self.mesh.ttl_s:
                 continue
             streak = 0
             await trio.sleep(random.uniform(*MOVE_JITTER_S))
@@ -85,7 +85,7 @@ class Rebalancer:
         d = self.daemon
         start, end = d._fit(*move.to)
         self.moving = move
-        self.cooldown_until = time.time() + d.settings.move_cooldown
+        self.cooldown_until = trio.current_time() + d.settings.move_cooldown
         log.info("moving", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
         try:
             loaded = await d._open_shard(start, end)

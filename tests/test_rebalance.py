@@ -135,3 +135,59 @@ def test_six_joins_of_ten_layers_serve_thirty_layers_twice():
         end, rounds = settle(joined_together(6, 10, 30, seed))
         assert end.counts() == [2] * 30, (seed, end.counts())
         assert rounds <= 2
+
+
+class FakeMesh:
+    def __init__(self, record, coverage):
+        self.record, self.coverage, self.ttl_s = record, coverage, 8.0
+        self.peer_id = record.peer_id
+
+    async def refresh(self):
+        return self.coverage
+
+    async def publish(self, **changes):
+        self.record = replace(self.record, **changes)
+
+
+class FakeDaemon:
+    def __init__(self, mesh):
+        self.mesh, self.state = mesh, "serving"
+        self.settings = type("S", (), {"move_cooldown": 60.0})()
+
+
+async def test_a_serving_daemon_moves_only_after_the_gap_persisted_and_not_again_within_the_cooldown(autojump_clock):
+    import trio
+
+    from meshd.rebalancer import Rebalancer
+
+    me = rec("pB", 12, 22)
+    gap = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), me)
+    whole = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), me, rec("pC", 22, 30, auto=0))
+    mesh = FakeMesh(me, whole)
+    rb = Rebalancer(FakeDaemon(mesh), want=10)
+    moves = []
+
+    async def move(m):  # what the daemon does, minus the loading
+        moves.append((trio.current_time(), m.to))
+        rb.cooldown_until = trio.current_time() + 60.0
+        await mesh.publish(start=m.to[0], end=m.to[1], auto_layers=0)
+        mesh.coverage = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), mesh.record)
+
+    rb.move = move
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rb.run)
+        t0 = trio.current_time()
+        mesh.coverage = gap  # pC's record lapsed for a moment (it missed a refresh) ...
+        await trio.sleep(6.5)
+        mesh.coverage = whole  # ... and is back: nobody moved
+        await trio.sleep(3)
+        assert moves == []
+        mesh.coverage = gap  # now for good
+        await trio.sleep(30)
+        assert [to for _, to in moves] == [(22, 30)]
+        assert moves[0][0] - (t0 + 9.5) >= mesh.ttl_s  # the gap lasted a record TTL first
+        # the mesh changes again at once: within the cooldown it stays where it is
+        mesh.coverage = cov(rec("fixed", 0, 12, auto=0), rec("pA", 22, 30), mesh.record)
+        await trio.sleep(50)
+        assert len(moves) == 1
+        nursery.cancel_scope.cancel()
