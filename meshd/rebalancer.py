@@ -7,7 +7,9 @@ target in every round for `PERSIST_ROUNDS` rounds and at least one record TTL (a
 miss a refresh and look dead for a moment) and still does after a random wait, and then not again
 for `--move-cooldown` seconds (its record says it stays put meanwhile, so the others plan without
 it). A move loads the new range while the old one serves, switches new sessions to it, announces
-it, and frees the old shard once its sessions have finished (at most `--drain-timeout` seconds).
+it, and frees the old shard once its sessions have finished (at most `--drain-timeout` seconds);
+with `--memory`, both ranges must fit in it for that moment, or the daemon stays (and plans go
+without it until its cooldown ends).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import trio
 
 from meshd.dht.rebalance import Move, own_move
 from meshd.log import get_logger
+from meshd.shard.footprint import MemoryRefused, weight_bytes
 
 SETTLE_S = (0.5, 2.0)  # random wait before re-checking a fresh claim
 SETTLE_ROUNDS = 6  # re-checks of a claim at most; then it is loaded as it stands
@@ -88,10 +91,14 @@ class Rebalancer:
         self.cooldown_until = trio.current_time() + d.settings.move_cooldown
         log.info("moving", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
         try:
+            both = sum(weight_bytes(d.artifact, d.recipe, *r) for r in ((d.shard.start, d.shard.end), (start, end)))
+            if d.settings.memory and both > d.settings.memory:
+                raise MemoryRefused(f"both ranges need {both / 1e6:.0f} MB for a moment, more than --memory allows")
             loaded = await d._open_shard(start, end)
-        except Exception as exc:  # no memory for a second shard, most likely: stay, try after the cooldown
+        except Exception as exc:  # no memory for a second shard, most likely: stay, and out of plans for a while
             log.warning("move failed; staying", layers=f"{start}:{end}", error=str(exc) or type(exc).__name__)
             self.moving = None
+            await self.mesh.publish(auto_layers=0)  # so that another daemon is named for the gap meanwhile
             return
         old = d.service
         d._install(loaded)
