@@ -26,7 +26,7 @@ from meshd.compute import ComputeExecutor
 from meshd.control import ControlServer
 from meshd.dht.coverage import choose_range
 from meshd.dht.kad import MeshDHT
-from meshd.dht.record import CoverageRecord
+from meshd.dht.record import CoverageRecord, first_seq
 from meshd.gen import GEN_PROTOCOL, SHARD_PROTOCOL, Entry
 from meshd.log import get_logger
 from meshd.mesh import MeshView
@@ -92,7 +92,7 @@ class Daemon:
                 start, end = fixed or (0, 1)
                 record = CoverageRecord(peer_id=pid, addrs=tuple(full_addrs(host)), model=self.artifact.fingerprint,
                                         recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
-                                        model_name=self.artifact.name, serving=False)
+                                        model_name=self.artifact.name, serving=False, seq=first_seq())
                 self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl)
                 self.reach = Reachability(host, peers=self._mesh_peers)
                 host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from meshd.dht.coverage import CoverageMap, choose_range
 from meshd.dht.rebalance import own_move, plan_moves, target
-from meshd.dht.record import CoverageRecord
+from meshd.dht.record import CoverageRecord, best_index, first_seq, sign_record
 
 
 def rec(pid, start, end, auto=10, serving=True, n=30):
@@ -191,3 +191,18 @@ async def test_a_serving_daemon_moves_only_after_the_gap_persisted_and_not_again
         await trio.sleep(50)
         assert len(moves) == 1
         nursery.cancel_scope.cancel()
+
+
+def test_a_restarted_daemon_s_records_beat_those_of_its_previous_run():
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    kp = create_new_key_pair()
+    pid = ID.from_pubkey(kp.public_key).to_base58()
+    t0 = time.time() - 120
+    # the previous run published for a minute (a few hundred times), then withdrew
+    withdrawn = replace(rec(pid, 0, 10, serving=False), seq=first_seq(t0) + 500, expires_at=time.time() - 1)
+    restarted = replace(rec(pid, 0, 10), seq=first_seq() + 1)
+    values = [sign_record(withdrawn, kp.private_key), sign_record(restarted, kp.private_key)]
+    assert best_index(values) == 1
+    assert best_index([sign_record(replace(restarted, seq=1), kp.private_key), values[0]]) == 1  # counting from 0 lost

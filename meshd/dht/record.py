@@ -104,6 +104,13 @@ def best_index(values: list[bytes], now: float | None = None) -> int:
     return max(range(len(values)), key=lambda i: ranks[i])
 
 
+def first_seq(now: float | None = None) -> int:
+    """The sequence number a daemon starts from: wall-clock milliseconds, so that the records of a
+    restarted daemon (same identity) beat those of its previous run, which peers keep as the highest
+    sequence they saw (one publish a millisecond would be needed to catch up with the clock)."""
+    return int((time.time() if now is None else now) * 1000)
+
+
 def bump(record: CoverageRecord, ttl_s: float, **changes) -> CoverageRecord:
     """The next version of a record: seq + 1, a fresh expiry, and any changed fields."""
     return replace(record, seq=record.seq + 1, expires_at=time.time() + ttl_s, **changes)
