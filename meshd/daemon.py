@@ -300,6 +300,10 @@ class Daemon:
             if pid in self.host.get_connected_peers():
                 return
             maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+            try:  # a peer restarted on its port is back under a fresh record: py-libp2p's negative
+                self.host.get_network().unblock_peer(pid)  # cache of failed dials would refuse it still
+            except Exception:
+                pass
             await self.host.connect(PeerInfo(pid, maddrs))
 
     def protect(self, pid: ID) -> None:

@@ -79,7 +79,7 @@ def test_rolling_restart_under_load_loses_no_generation():
         assert not worker.is_alive()
         assert len(results) >= len(ranges), results
         failed = [r for r in results if r[1] != 0 or r[2] != reference.stdout]
-        assert not failed, failed
+        assert not failed, "\n".join(f"through {n}: exit {rc}, {err.strip()}" for n, rc, _, err in failed)
         print(f"rolling restart: {len(results)} generations, all equal to the reference")
     finally:
         m.close()
