@@ -96,6 +96,7 @@ class ControlServer:
     async def serve_remote_generate(self, stream) -> None:
         """/meshd/gen/1.0.0: another daemon forwards its client's request to this entry."""
         channel = Channel.over_libp2p(stream, str(GEN_PROTOCOL))
+        self.daemon.answering += 1  # a drain waits for the answer to be out, not only computed
         try:
             msg = await channel.receive(REQUEST_TIMEOUT)
             if isinstance(msg, GenerateRequest):
@@ -105,6 +106,7 @@ class ControlServer:
         finally:
             with trio.CancelScope(shield=True):
                 await channel.aclose()
+            self.daemon.answering -= 1
 
     async def _generate_for(self, channel: Channel, req: GenerateRequest, watch_client: bool) -> None:
         """Run (or forward) one generation, streaming events; cancelled if the client goes away."""

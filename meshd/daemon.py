@@ -62,6 +62,7 @@ class Daemon:
         self.entry: Entry | None = None
         self.host = self.mesh = self.reach = None
         self.active_generations = 0
+        self.answering = 0  # forwarded requests whose answer is not yet out (a drain waits for them)
         self.throughput = 0.0  # layer-steps per second, measured once loaded
         self.artifact = self.recipe = None
         self.metrics = Metrics(self)
@@ -163,7 +164,7 @@ class Daemon:
             await self.mesh.withdraw()
         t0 = time.monotonic()
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
-            while len(self.service.endpoint.sessions) or self.active_generations:
+            while len(self.service.endpoint.sessions) or self.active_generations or self.answering:
                 await trio.sleep(DRAIN_POLL_S)
         log.info("drained", left_sessions=len(self.service.endpoint.sessions), seconds=round(time.monotonic() - t0, 2))
 

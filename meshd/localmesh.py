@@ -28,7 +28,7 @@ class DaemonProc:
         self.log_path = self.dir / "log"
         cmd = [*wrap, sys.executable, "-m", "meshd.cli", "join", "--listen", listen,
                "--state-dir", str(self.dir / "state"), "--socket", str(self.socket), *args]
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "ab")  # a daemon restarted under its name keeps its earlier log
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
 
