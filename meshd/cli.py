@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " before failing with 'mesh busy' (default 30)")
     join.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds running generations get to"
                       " finish before the daemon exits (default 30; a second SIGTERM exits at once)")
+    join.add_argument("--gather-ms", type=float, help="milliseconds a forward pass waits for other sessions'"
+                      " frames before it starts, when some are due (default 0: at once)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -231,6 +231,7 @@ class Daemon:
         self.service = ShardService(endpoint, self.compute, Scheduler(max_queued=self.settings.max_queue))
         self.service.on_step = self.metrics.observe_pass
         self.service.dial = self.dial_shard
+        self.service.gather_s = self.settings.gather_ms / 1000
         self.throughput = await self.compute.run(self._measure_throughput)
         if self.shard.is_head:
             self.entry = Entry(self, busy_wait_s=self.settings.busy_wait, forwarding=bool(self.settings.forwarding))
