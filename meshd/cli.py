@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " finish before the daemon exits (default 30; a second SIGTERM exits at once)")
     join.add_argument("--move-cooldown", type=float, help="with --layers auto: seconds after a move to fill a gap"
                       " before this daemon moves again (default 60)")
+    join.add_argument("--gather-ms", type=float, help="milliseconds a forward pass waits for other sessions'"
+                      " frames before it starts, when some are due (default 0: at once)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -249,6 +249,7 @@ class Daemon:
         service = ShardService(endpoint, self.compute, Scheduler(max_queued=self.settings.max_queue))
         service.on_step = self.metrics.observe_pass
         service.dial = self.dial_shard
+        service.gather_s = self.settings.gather_ms / 1000
         throughput = await self.compute.run(self._measure_throughput, shard)
         return shard, tokenizer, service, throughput
 

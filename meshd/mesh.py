@@ -13,7 +13,6 @@ peer stays unheard of. A round never waits on a frozen peer past its timeout.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import multiaddr
 import trio
@@ -76,8 +75,10 @@ class MeshView:
         return self._targets
 
     async def withdraw(self) -> None:
-        """Publish a record that has already expired, so the range shows as free at once."""
-        self.record = replace(self.record, seq=self.record.seq + 1, expires_at=time.time(), serving=False)
+        """Publish a live record that says "not serving", so peers take the range as free at their next
+        read (a record that had already expired would be refused by every validator, and the old one
+        would stand until it lapsed). Later republishing keeps saying so."""
+        self.record = bump(self.record, self.ttl_s, serving=False)
         value = sign_record(self.record, self.key_pair.private_key)
         key = record_key(self.peer_id)
         with trio.move_on_after(LOOKUP_TIMEOUT):

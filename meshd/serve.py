@@ -10,7 +10,6 @@ behind; every failure goes back as an `Error` frame.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
@@ -29,7 +28,7 @@ from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Heartbeat, Hel
 
 IDLE_TIMEOUT = 300.0
 DIAL_TIMEOUT = 10.0  # reaching the next hop of a session
-GATHER_S = float(os.environ.get("MESHD_GATHER_MS", "0")) / 1000  # (experiment) wait before a pass
+
 WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream
 log = get_logger(__name__)
 
@@ -66,7 +65,7 @@ class ShardService:
         self.links: dict[tuple[bytes, int], Links] = {}  # where each session's outputs go
         self.forwarded = 0  # frames sent straight to a next hop
         self.draining = False  # leaving the mesh: sessions from other daemons are refused
-        self.gather_s = GATHER_S
+        self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
         self.dial: Callable[[str, list[str]], Awaitable[Channel]] | None = None  # a stream to a peer (daemon)
 
     async def handle(self, msg: Message) -> list[Message]:

@@ -151,3 +151,26 @@ def test_a_caller_that_gives_up_leaves_nothing_queued(artifact, compute):
 
     (tok,) = trio.run(main)
     assert isinstance(tok, Token)
+
+
+def test_a_pass_can_wait_for_frames_due_from_other_sessions(artifact, compute):
+    """With a gather window, a frame arriving a moment after another (the same upstream pass, other
+    streams) joins its pass instead of waiting for the next one."""
+    results = {}
+    for gather in (0.0, 0.2):
+        service = service_for(artifact, compute)
+        service.gather_s = gather
+
+        async def main():
+            a, b = b"a" * 16, b"b" * 16
+            for sid in (a, b):
+                await service.handle(open_msg(sid))
+            before = service.steps
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.handle, token_frame(a, 0, 0, Phase.PREFILL, 0, [1, 2, 3]))
+                await trio.sleep(0.02)
+                nursery.start_soon(service.handle, token_frame(b, 0, 0, Phase.PREFILL, 0, [4, 5]))
+            return service.steps - before
+
+        results[gather] = trio.run(main)
+    assert results == {0.0: 2, 0.2: 1}
