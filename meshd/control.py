@@ -15,7 +15,6 @@ from pathlib import Path
 
 import structlog
 import trio
-from libp2p.peer.id import ID
 
 from meshd.gen import GEN_PROTOCOL, GenerationError
 from meshd.log import get_logger
@@ -182,8 +181,7 @@ class ControlServer:
         d = self.daemon
         try:
             with trio.fail_after(REQUEST_TIMEOUT):
-                await d.ensure_connected(entry.peer_id, entry.addrs)
-                stream = await d.host.new_stream(ID.from_base58(entry.peer_id), [GEN_PROTOCOL])
+                stream = await d.open_stream(entry.peer_id, entry.addrs, GEN_PROTOCOL)
         except Exception as exc:
             raise GenerationError(ErrorCode.HOP_FAILED, f"entry {entry.peer_id[-8:]} unreachable: {exc}") from None
         remote = Channel.over_libp2p(stream, str(GEN_PROTOCOL))

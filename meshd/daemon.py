@@ -286,11 +286,25 @@ class Daemon:
 
     async def dial_shard(self, peer_id: str, addrs) -> Channel:
         """A new shard stream to a peer (a session's next hop)."""
-        await self.ensure_connected(peer_id, addrs)
-        stream = await self.host.new_stream(ID.from_base58(peer_id), [SHARD_PROTOCOL])
+        stream = await self.open_stream(peer_id, addrs, SHARD_PROTOCOL)
         return Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
 
-    async def ensure_connected(self, peer_id: str, addrs) -> None:
+    async def open_stream(self, peer_id: str, addrs, protocol):
+        """A new stream to a peer. A connection py-libp2p has just closed (trimmed, reset) can still be
+        listed as connected, and a stream on it fails with "No valid connections available" (seen on
+        a fresh mesh's first generation): then dial a new connection, once."""
+        pid = ID.from_base58(peer_id)
+        for attempt in (0, 1):
+            await self.ensure_connected(peer_id, addrs, fresh=attempt == 1)
+            try:
+                return await self.host.new_stream(pid, [protocol])
+            except Exception as exc:  # py-libp2p's SwarmException and stream negotiation errors
+                if attempt == 1:
+                    raise
+                log.info("stream on a stale connection failed; dialling again", peer=peer_id[-8:],
+                         error=f"{type(exc).__name__}: {exc}")
+
+    async def ensure_connected(self, peer_id: str, addrs, fresh: bool = False) -> None:
         """A connection to a peer that sessions will use. Dials to one peer go one at a time (16
         sessions opening at once must not dial 16 connections), and the peer is protected from
         py-libp2p's per-peer trimming: with one connection allowed per peer, a second one (both
@@ -299,14 +313,19 @@ class Daemon:
         pid = ID.from_base58(peer_id)
         self.protect(pid)
         async with self._dial_locks.setdefault(peer_id, trio.Lock()):
-            if pid in self.host.get_connected_peers():
+            network = self.host.get_network()
+            if not fresh and any(not c.is_closed for c in network.connections.get(pid) or ()):
                 return
             maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
             try:  # a peer restarted on its port is back under a fresh record: py-libp2p's negative
-                self.host.get_network().unblock_peer(pid)  # cache of failed dials would refuse it still
+                network.unblock_peer(pid)  # cache of failed dials would refuse it still
             except Exception:
                 pass
-            await self.host.connect(PeerInfo(pid, maddrs))
+            if fresh or pid in network.connections:  # connect() returns early while any is listed
+                self.host.peerstore.add_addrs(pid, maddrs, 120)
+                await network.dial_peer(pid)
+            else:
+                await self.host.connect(PeerInfo(pid, maddrs))
 
     def protect(self, pid: ID) -> None:
         try:

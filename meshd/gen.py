@@ -21,7 +21,6 @@ from typing import Awaitable, Callable
 
 import trio
 from libp2p.custom_types import TProtocol
-from libp2p.peer.id import ID
 
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
@@ -246,8 +245,7 @@ class Entry:
         d = self.daemon
         try:
             with trio.fail_after(OPEN_TIMEOUT):
-                await d.ensure_connected(hop.peer_id, hop.addrs)
-                stream = await d.host.new_stream(ID.from_base58(hop.peer_id), [SHARD_PROTOCOL])
+                stream = await d.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
                 channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
                 await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length, nxt))
                 reply = await channel.receive(OPEN_TIMEOUT)
