@@ -159,7 +159,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: in
     at layer li first."""
     heads, r, hd = q.shape[1], q.shape[2], q.shape[3]
     outs = []
-    for seg, (qs, ks, vs) in zip(rows.segments, zip(*(rows.split_heads(t) for t in (q, k, v)))):
+    for seg, qs, ks, vs in zip(rows.segments, rows.split_heads(q), rows.split_heads(k), rows.split_heads(v)):
         keys, values = seg.kv.append(li, ks, vs, seg.position)
         outs.append(attention(qs if qs.dtype == keys.dtype else qs.to(keys.dtype), keys, values, seg.position))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -39,7 +39,6 @@ class Rows:
 
     def __init__(self, segments: list[Segment]) -> None:
         self.segments = segments
-        self.total = sum(s.n for s in segments)
         self._positions: torch.Tensor | None = None
 
     @classmethod
