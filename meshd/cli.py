@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     join = sub.add_parser("join", help="run the daemon: join (or start) a mesh and serve layers")
     join.add_argument("--bootstrap", action="append", help="multiaddr of a peer already in the mesh (repeatable)")
     join.add_argument("--model", help="smollm2 (bundled, default), a .gguf file or an HF directory")
-    join.add_argument("--layers", help="auto (default) or A:B")
+    join.add_argument("--layers", help="auto (default), A:B, or none (a bootstrap and relay holding no layers)")
     join.add_argument("--num-layers", type=int, help="with --layers auto: how many layers to serve")
     join.add_argument("--memory", type=int, help="bytes of weights this node may hold (caps --layers auto;"
                                                  " a fixed range that needs more is refused)")
@@ -44,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
                       " before this daemon moves again (default 60)")
     join.add_argument("--gather-ms", type=float, help="milliseconds a forward pass waits for other sessions'"
                       " frames before it starts, when some are due (default 0: at once)")
+    join.add_argument("--relay", choices=["auto", "on", "off"], help="offer circuit relay to daemons that cannot"
+                      " be dialled: auto (default: while this daemon is publicly reachable), on, off")
+    join.add_argument("--relays", type=int, help="relays this daemon reserves at when it cannot be dialled (default 2;"
+                      " 0: none)")
+    join.add_argument("--relay-reservations", type=int, help="as a relay: daemons holding a reservation (default 32)")
+    join.add_argument("--relay-circuits", type=int, help="as a relay: circuits open at once (default 64)")
+    join.add_argument("--relay-circuits-per-peer", type=int, help="as a relay: circuits open at once from or to one"
+                      " daemon (default 16)")
+    join.add_argument("--relay-circuit-mb", type=int, help="as a relay: MiB one circuit carries before it is cut"
+                      " (default 1024)")
+    join.add_argument("--relay-circuit-s", type=float, help="as a relay: seconds one circuit lasts (default 3600)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -133,24 +133,52 @@ def reach_line(reach: dict | None) -> str:
     return f"reach     private: {n} peer{'s' * (n != 1)} could not dial back{seen}"
 
 
+def relay_lines(relay: dict | None) -> list[str]:
+    """The relay this daemon offers, the relays it reserved at, and peers it reaches only through one."""
+    if not relay:
+        return []
+    svc, cli = relay.get("service"), relay.get("client")
+    if svc is None:
+        lines = ["relay     off"]
+    elif not svc["on"]:
+        lines = ["relay     not offered while this daemon is not publicly reachable"]
+    else:
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(svc["refused"].items())) or "none"
+        lines = [f"relay     offered: {svc['reservations']} reservations, {svc['circuits']} circuits open"
+                 f" ({svc['served']} served, {svc['relayed_bytes'] / 1e6:.1f} MB relayed); refused: {refused}"]
+    if cli and cli["relays"]:
+        held = ", ".join(r["peer_id"][-8:] for r in cli["relays"])
+        lines.append(f"relays    reserved at {len(cli['relays'])} of {cli['want']}: {held}"
+                     + (f"; {cli['lost']} lost" if cli["lost"] else ""))
+        lines += [f"  circuit {a}" for a in cli["circuit_addrs"]]
+    elif cli and cli["want"]:
+        lines.append(f"relays    none reserved yet (want {cli['want']})")
+    if relay.get("relayed_peers"):
+        lines.append(f"relayed   {len(relay['relayed_peers'])} peers reached through a relay")
+    return lines
+
+
 def render_status(st: dict) -> str:
     rng = st.get("range")
     lines = [f"peer      {st['peer_id']}", f"state     {st['state']}" + (f" ({st['drain_reason']})" if st.get("drain_reason") else ""),
              f"model     {st['model']} ({(st.get('model_fingerprint') or '')[:12]}, recipe {st['recipe']})",
-             f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)",
+             ("layers    none (bootstrap and relay only)" if rng and rng[0] == rng[1] else
+              f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)"),
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
              load_line(st)] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(reach_line(st.get("reachability")))
+    lines += relay_lines(st.get("relay"))
     lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
     lines.append(f"peers     {len(st['peers'])}")
     for p in st["peers"]:
-        state = "serving" if p["serving"] else "loading"
+        state = "serving" if p["serving"] else ("relay" if p["range"][0] == p["range"][1] else "loading")
         rtt = f"{p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None else "? ms"
         lines.append(f"  {p['peer_id']}  layers {p['range'][0]:>3}:{p['range'][1]:<3} {state:8}"
-                     f" {p['throughput']:>8.1f} layer/s  rtt {rtt:>8}  expires in {p['expires_in_s']:.0f}s")
+                     f" {p['throughput']:>8.1f} layer/s  rtt {rtt:>8}  expires in {p['expires_in_s']:.0f}s"
+                     + ("  via relay" if p.get("relay_addrs") else ""))
     gaps = st.get("gaps") or []
     verdict = "complete" if st.get("complete") else "INCOMPLETE, uncovered: " + ", ".join(f"[{a}, {b})" for a, b in gaps)
     lines.append(f"coverage  {verdict}")

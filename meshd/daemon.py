@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +35,9 @@ from meshd.metrics import Metrics
 from meshd.p2p.channel import Channel
 from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
 from meshd.rebalancer import Rebalancer
+from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
+from meshd.relay.client import RelayCandidate, RelayClient
+from meshd.relay.policy import is_circuit, parse_circuit, split_addrs
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.serve import ShardService
 from meshd.settings import Settings
@@ -46,6 +50,7 @@ from meshd.shard.scheduler import Scheduler
 
 DRAIN_POLL_S = 0.2
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
+DIRECT_TRY_S = 2.0  # a peer reachable through relays too gets this long for a direct dial first
 log = get_logger(__name__)
 
 
@@ -61,6 +66,8 @@ class Daemon:
         self.tokenizer = None
         self.entry: Entry | None = None
         self.host = self.mesh = self.reach = None
+        self.relay: RelayService | None = None  # the relay this daemon offers (when public)
+        self.relays: RelayClient | None = None  # the relays this daemon reserves at (when private)
         self.active_generations = 0
         self.answering = 0  # forwarded requests whose answer is not yet out (a drain waits for them)
         self.throughput = 0.0  # layer-steps per second, measured once loaded
@@ -81,7 +88,8 @@ class Daemon:
         cfg = self.artifact.config
         self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.family, "artifact")
         fixed = s.parse_layers(cfg.n_layers)
-        if fixed is not None:  # refuse before joining: a range that cannot fit is an operator's error
+        relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
+        if fixed is not None and not relay_only:  # refuse before joining: a range that cannot fit is an operator's error
             check_fits(self.artifact, self.recipe, *fixed, memory=s.memory)
         key_pair = load_or_create_identity(s.state_path)
         async with open_host(key_pair, s.listen) as host:
@@ -94,10 +102,12 @@ class Daemon:
                 record = CoverageRecord(peer_id=pid, addrs=tuple(full_addrs(host)), model=self.artifact.fingerprint,
                                         recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
                                         model_name=self.artifact.name, serving=False, seq=first_seq())
-                self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl)
+                self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.ensure_connected)
+                self.mesh.walker.dial = self._dial_known
                 self.reach = Reachability(host, peers=self._mesh_peers)
                 host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
                 nursery.start_soon(self.reach.run)
+                self._start_relaying(host, nursery)
                 control = ControlServer(self, s.socket_path)
                 await nursery.start(control.serve)
                 if s.http:
@@ -114,21 +124,23 @@ class Daemon:
                     start, end = await self._choose_auto(cfg)
                 self.mesh.record = replace(self.mesh.record, start=start, end=end,
                                            auto_layers=self.rebalancer.want if self.rebalancer else 0)
-                await self.mesh.publish()
+                await self.mesh.publish(**self._relay_fields())
                 if self.rebalancer:  # another daemon may have claimed the same layers at the same moment
                     start, end = await self.rebalancer.settle_claim()
                 nursery.start_soon(self.mesh.publish_loop, self._live_fields)
                 nursery.start_soon(self.mesh.coverage_loop)
-                self.state = "loading"
-                await self._load(start, end)
-                nursery.start_soon(self._evict_loop)
-                if self.rebalancer:
-                    nursery.start_soon(self.rebalancer.run)
-                host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
-                host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
-                await self.mesh.publish(serving=True, **self._live_fields())
+                if not relay_only:
+                    self.state = "loading"
+                    await self._load(start, end)
+                    nursery.start_soon(self._evict_loop)
+                    if self.rebalancer:
+                        nursery.start_soon(self.rebalancer.run)
+                    host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
+                    host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
+                    await self.mesh.publish(serving=True, **self._live_fields())
                 self.state = "serving"
-                log.info("serving", layers=f"{start}:{end}", load_s=round(self.shard.load_seconds, 2),
+                log.info("serving", layers=f"{start}:{end}" if not relay_only else "none (relay and bootstrap only)",
+                         load_s=round(self.shard.load_seconds, 2) if self.shard else 0.0,
                          throughput=round(self.throughput, 1))
                 task_status.started()
                 await self.stop_requested.wait()
@@ -138,6 +150,56 @@ class Daemon:
                 log.info("stopping: withdrawing record")
                 await self.mesh.withdraw()
                 nursery.cancel_scope.cancel()
+
+    def _start_relaying(self, host, nursery) -> None:
+        """Offer a relay (`--relay`: auto while publicly reachable, on, off) and keep reservations at
+        `--relays` relays while this daemon cannot be dialled itself."""
+        s = self.settings
+        self.relay = RelayService(host, s.relay_limits(), enabled=self._relay_on, own_addrs=lambda: self.mesh.record.addrs)
+        if s.relay != "off":
+            host.set_stream_handler(HOP_PROTOCOL, self.relay.serve_stream)
+        self.relays = RelayClient(host, s.relays, candidates=self._relay_candidates, connect=self.ensure_connected,
+                                  active=self._needs_relays, on_change=self._relays_changed)
+        host.set_stream_handler(STOP_PROTOCOL, self._accept_relayed)
+        nursery.start_soon(self.relays.run)
+
+    def _relay_on(self) -> bool:
+        mode = self.settings.relay
+        return mode == "on" or (mode == "auto" and self.reach is not None and self.reach.summary()["status"] == "public")
+
+    def _needs_relays(self) -> bool:
+        return self.settings.relays > 0 and self.reach is not None and self.reach.summary()["status"] == "private"
+
+    def _relay_candidates(self) -> list[RelayCandidate]:
+        now = time.time()
+        return [RelayCandidate(r.peer_id, r.addrs, self.mesh.latency.get(r.peer_id))
+                for r in self.mesh.known.values()
+                if r.relay and not r.leaving and not r.expired(now) and r.peer_id != self.mesh.peer_id]
+
+    def _relay_fields(self) -> dict:
+        return {"relay": self._relay_on(), "relay_addrs": self.relays.circuit_addrs() if self.relays else ()}
+
+    async def _relays_changed(self) -> None:
+        await self.mesh.publish(**self._live_fields())
+
+    async def _accept_relayed(self, stream) -> None:
+        await accept_circuit(self.host, stream, self.relays.allowed)
+
+    async def _dial_known(self, pid: ID) -> None:
+        """The DHT's way to a peer the swarm cannot dial itself: through the relays its record, or the
+        DHT's answers about it (circuit addresses in the peerstore), name."""
+        rec = self.mesh.known.get(pid.to_base58())
+        circuits = list(rec.relay_addrs) if rec is not None else []
+        if not circuits:
+            try:
+                circuits = [str(a) for a in self.host.get_peerstore().addrs(pid) if is_circuit(str(a))]
+            except Exception:
+                circuits = []
+        if circuits:
+            try:
+                await self.ensure_connected(pid.to_base58(), (rec.addrs if rec else ()) + tuple(circuits))
+            except Exception:
+                pass
 
     async def _evict_loop(self, period_s: float = 30.0) -> None:
         """Free the KV of sessions idle past their TTL, so a vanished entry cannot hold memory."""
@@ -211,15 +273,16 @@ class Daemon:
     def _live_fields(self) -> dict:
         """Record fields that change while serving: throughput (measured on real decode steps once
         there are some), free session capacity and load (share of the KV budget in use)."""
+        relay = self._relay_fields()
         if self.service is None or self.shard is None:
-            return {}
+            return relay
         if self.service.decode_layer_rate:
             self.throughput = self.service.decode_layer_rate
         kv, ep = self.shard.kv, self.service.endpoint
         room = (kv.budget_bytes - sum(ep.promised.values())) // self._session_bytes()
         free = max(0, min(ep.max_sessions - len(ep.sessions), room))
         return {"throughput": self.throughput, "free_sessions": int(free),
-                "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0}
+                "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}
 
     def _session_bytes(self) -> int:
         return max(1, self.shard.kv.bytes_for(2048))
@@ -305,7 +368,8 @@ class Daemon:
                          error=f"{type(exc).__name__}: {exc}")
 
     async def ensure_connected(self, peer_id: str, addrs, fresh: bool = False) -> None:
-        """A connection to a peer that sessions will use. Dials to one peer go one at a time (16
+        """A connection to a peer that sessions will use: directly, else through one of the relays
+        its circuit addresses name (the nearest first). Dials to one peer go one at a time (16
         sessions opening at once must not dial 16 connections), and the peer is protected from
         py-libp2p's per-peer trimming: with one connection allowed per peer, a second one (both
         sides dialling at once) made it close the older connection, streams and all (seen under
@@ -316,16 +380,48 @@ class Daemon:
             network = self.host.get_network()
             if not fresh and any(not c.is_closed for c in network.connections.get(pid) or ()):
                 return
-            maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
-            try:  # a peer restarted on its port is back under a fresh record: py-libp2p's negative
-                network.unblock_peer(pid)  # cache of failed dials would refuse it still
-            except Exception:
-                pass
-            if fresh or pid in network.connections:  # connect() returns early while any is listed
-                self.host.peerstore.add_addrs(pid, maddrs, 120)
-                await network.dial_peer(pid)
-            else:
-                await self.host.connect(PeerInfo(pid, maddrs))
+            direct, circuits = split_addrs(addrs)
+            failures = []
+            if direct:
+                try:
+                    with trio.fail_after(DIRECT_TRY_S) if circuits else _no_deadline():
+                        await self._dial_direct(pid, direct, fresh)
+                    return
+                except Exception as exc:
+                    if not circuits:
+                        raise
+                    failures.append(f"direct: {type(exc).__name__}: {exc}")
+            for addr in sorted(circuits, key=self._circuit_rank):
+                try:
+                    relay_addr, relay_id, _ = parse_circuit(addr)
+                    await self.ensure_connected(relay_id, [relay_addr])
+                    await dial_circuit(self.host, addr)
+                    return
+                except Exception as exc:
+                    failures.append(f"{addr.split('/p2p-circuit')[0][-30:]}: {type(exc).__name__}: {exc}")
+            raise ConnectionError(f"cannot reach {peer_id[-8:]}: " + "; ".join(failures))
+
+    async def _dial_direct(self, pid: ID, addrs: list[str], fresh: bool) -> None:
+        network = self.host.get_network()
+        maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+        try:  # a peer restarted on its port is back under a fresh record: py-libp2p's negative
+            network.unblock_peer(pid)  # cache of failed dials would refuse it still
+        except Exception:
+            pass
+        if fresh or pid in network.connections:  # connect() returns early while any is listed
+            self.host.peerstore.add_addrs(pid, maddrs, 120)
+            await network.dial_peer(pid)
+        else:
+            await self.host.connect(PeerInfo(pid, maddrs))
+
+    def _circuit_rank(self, addr: str) -> tuple:
+        """Relays we are connected to first, then the nearest."""
+        try:
+            relay = parse_circuit(addr)[1]
+        except ValueError:
+            return (2, 0.0)
+        connected = any(not c.is_closed for c in self.host.get_network().connections.get(ID.from_base58(relay)) or ())
+        return (0 if connected else 1, self.mesh.latency.get(relay, 1.0) if self.mesh else 1.0)
 
     def protect(self, pid: ID) -> None:
         try:
@@ -343,7 +439,19 @@ class Daemon:
     def _mesh_peers(self) -> list[str]:
         """Connected peers of this mesh (they hold a record): the ones asked to dial us back."""
         connected = {p.to_base58() for p in self.host.get_connected_peers()}
-        return [p for p in self.mesh.known if p in connected]
+        relayed = set(self._relayed_peers())  # one that reaches us through a relay sees the relay's address
+        return [p for p in self.mesh.known if p in connected and p not in relayed]
+
+    def _relayed_peers(self) -> list[str]:
+        """Peers this daemon is connected to only through a relay."""
+        if self.host is None:
+            return []
+        out = []
+        for pid, conns in list(self.host.get_network().connections.items()):
+            live = [c for c in conns or () if not c.is_closed]
+            if live and all(is_relayed(c) for c in live):
+                out.append(pid.to_base58())
+        return sorted(out)
 
     def find_entry(self, exclude=()) -> CoverageRecord | None:
         """A live serving peer that holds layer 0 (for forwarding a request), not one in `exclude`."""
@@ -377,6 +485,9 @@ class Daemon:
             "rss_bytes": rss_bytes(),
             "http": self.http_addrs,
             "reachability": self.reach.summary() if self.reach else None,
+            "relay": {"service": self.relay.summary() if self.relay and self.settings.relay != "off" else None,
+                      "client": self.relays.summary() if self.relays else None,
+                      "relayed_peers": self._relayed_peers()},
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,
             "queue": self.service.scheduler.queued if self.service else 0,
@@ -387,6 +498,7 @@ class Daemon:
             "max_sessions": self.settings.max_sessions,
             "compute_busy_s": round(self.compute.busy_s, 3),
             "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
+                       "relay": r.relay, "relay_addrs": list(r.relay_addrs),
                        "addrs": list(r.addrs), "throughput": round(r.throughput, 1),
                        "rtt_ms": round(self.mesh.latency[r.peer_id] * 1000, 2) if r.peer_id in self.mesh.latency
                        else None,
@@ -396,6 +508,11 @@ class Daemon:
             "gaps": [list(g) for g in serving.gaps()] if serving else [],
             "complete": serving.complete if serving else False,
         }
+
+
+@contextmanager
+def _no_deadline():
+    yield
 
 
 def run_daemon(settings: Settings) -> int:

@@ -34,8 +34,10 @@ log = get_logger(__name__)
 
 
 class MeshView:
-    def __init__(self, host, dht, key_pair, record: CoverageRecord, ttl_s: float) -> None:
+    def __init__(self, host, dht, key_pair, record: CoverageRecord, ttl_s: float, dial=None) -> None:
+        """`dial(peer_id, addrs)`: the daemon's dialler (direct or through a relay); default: direct only."""
         self.host, self.dht, self.key_pair = host, dht, key_pair
+        self.dial = dial
         self.record, self.ttl_s = record, ttl_s
         self.known: dict[str, CoverageRecord] = {}
         self.latency: dict[str, float] = {}  # moving average of a record round trip per peer, seconds
@@ -66,10 +68,13 @@ class MeshView:
 
     async def _publish_targets(self) -> list[ID]:
         """The k peers closest to our key: walked for when the peers we know changed or REWALK_S
-        passed, else the last walk's answer (a republish in a settled mesh costs no walk)."""
+        passed (half a TTL while the coverage has gaps: a peer behind NAT is found only by walking,
+        through the relays its neighbours' answers name), else the last walk's answer (a republish
+        in a settled mesh costs no walk)."""
         seen = frozenset(self.dht.routing_table.get_peer_ids()) | frozenset(self.host.get_connected_peers())
         now = time.monotonic()
-        if not self._targets or seen != self._targets_seen or now - self._targets_at > REWALK_S:
+        every = REWALK_S if self.coverage.complete else self.ttl_s / 2  # a mesh with gaps looks for peers harder
+        if not self._targets or seen != self._targets_seen or now - self._targets_at > every:
             self._targets = await self.walker.find_closest(record_key(self.peer_id))
             self._targets_at, self._targets_seen = now, seen
         return self._targets
@@ -153,6 +158,8 @@ class MeshView:
                 if old is None or rec.seq >= old.seq:
                     self.known[pid] = rec
                     self._rebuild()
+                    if rec.relay_addrs and (old is None or old.relay_addrs != rec.relay_addrs):
+                        self._note_circuits(rec)
 
         async def pull(pid: str) -> None:
             rec = await self.fetch(pid)
@@ -211,22 +218,34 @@ class MeshView:
         addrs = None
         if stored is not None:
             try:
-                addrs = open_record(stored.value, key=key, allow_expired=True).addrs
+                addrs = open_record(stored.value, key=key, allow_expired=True).dial_addrs
             except RecordError:
                 addrs = None
         if addrs is None and pid.to_base58() in self.known:
-            addrs = self.known[pid.to_base58()].addrs
+            addrs = self.known[pid.to_base58()].dial_addrs
         if not addrs:
             return
         try:
             self.host.get_network().unblock_peer(pid)
         except Exception:
             pass
-        with trio.move_on_after(DIRECT_TIMEOUT):
+        with trio.move_on_after(DIRECT_TIMEOUT if self.dial is None else DIRECT_TIMEOUT * 2):
             try:
-                await self.host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
+                if self.dial is not None:
+                    await self.dial(pid.to_base58(), addrs)
+                else:
+                    await self.host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
             except Exception:
                 pass
+
+    def _note_circuits(self, rec: CoverageRecord) -> None:
+        """Keep a peer's circuit addresses in the peerstore, so the DHT's answers about it carry them
+        (py-libp2p never dials them itself; a daemon walking towards it dials through the relay)."""
+        try:
+            maddrs = [multiaddr.Multiaddr(a) for a in rec.relay_addrs]
+            self.host.get_peerstore().add_addrs(ID.from_base58(rec.peer_id), maddrs, max(60, int(self.ttl_s * 4)))
+        except Exception:
+            pass
 
     def _observe_rtt(self, peer_id: str, seconds: float) -> None:
         """Fold one measured round trip into the peer's link latency (used by route planning)."""

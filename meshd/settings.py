@@ -55,6 +55,13 @@ class Settings:
     move_cooldown: float = 60.0  # with --layers auto: seconds after a move before this daemon moves again
     gather_ms: float = 0.0  # a pass waits this long for frames due from other sessions (0: starts at once)
     forwarding: int = 1  # 1: hops pass hidden states to the next hop; 0: the entry relays every hop's output
+    relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
+    relays: int = 2  # relays a daemon that cannot be dialled reserves at (0: none)
+    relay_reservations: int = 32  # as a relay: daemons holding a reservation at once
+    relay_circuits: int = 64  # as a relay: circuits open at once
+    relay_circuits_per_peer: int = 16  # as a relay: circuits open at once from or to one daemon
+    relay_circuit_mb: int = 1024  # as a relay: MiB one circuit carries (both ways) before it is cut
+    relay_circuit_s: float = 3600.0  # as a relay: seconds one circuit lasts before it is cut
 
     @property
     def state_path(self) -> Path:
@@ -72,14 +79,25 @@ class Settings:
             return Path(self.http_token_file).read_text().strip()
         return ""
 
+    def relay_limits(self):
+        from meshd.relay.policy import RelayLimits
+
+        if self.relay not in ("auto", "on", "off"):
+            raise ValueError(f"--relay must be auto, on or off, not {self.relay!r}")
+        return RelayLimits(reservations=self.relay_reservations, circuits=self.relay_circuits,
+                           circuits_per_peer=self.relay_circuits_per_peer, circuit_bytes=self.relay_circuit_mb << 20,
+                           circuit_s=self.relay_circuit_s)
+
     def parse_layers(self, n_layers: int) -> tuple[int, int] | None:
-        """(start, end) for an explicit "A:B", None for "auto"."""
+        """(start, end) for an explicit "A:B", None for "auto", (0, 0) for "none" (relay and bootstrap only)."""
         if self.layers == "auto":
             return None
+        if self.layers == "none":
+            return 0, 0
         try:
             a, b = (int(x) for x in self.layers.split(":"))
         except ValueError:
-            raise ValueError(f"--layers must be auto or A:B, not {self.layers!r}") from None
+            raise ValueError(f"--layers must be auto, none or A:B, not {self.layers!r}") from None
         if not 0 <= a < b <= n_layers:
             raise ValueError(f"--layers {a}:{b} is not within the model's {n_layers} layers")
         return a, b

@@ -73,6 +73,7 @@ class KadWalker:
         self.me = host.get_id().to_bytes()
         self.queries = 0  # questions sent, for benches and tests
         self._kept: dict[ID, object] = {}  # peer -> open stream, for republishing to the same peers
+        self.dial = None  # async dial(peer ID): reach a peer the swarm cannot dial itself (through a relay)
 
     async def get(self, key: str, quorum: int = GET_QUORUM) -> bytes | None:
         """The best valid value stored under `key` (ours included), by a walk towards it; None if none."""
@@ -245,6 +246,8 @@ class KadWalker:
         ok = False
         try:
             with trio.fail_after(self.query_timeout):
+                if self.dial is not None and peer not in self.host.get_connected_peers():
+                    await self.dial(peer)
                 stream = await self.host.new_stream(peer, [PROTOCOL_ID])
             reply = await self._exchange(stream, request)
             ok = True

@@ -42,9 +42,15 @@ class CoverageRecord:
     expires_at: float = 0.0  # unix time
     model_name: str = ""
     serving: bool = False  # False while the weights load: claims the range, takes no sessions yet
-    relay_addrs: tuple[str, ...] = field(default=())
+    relay_addrs: tuple[str, ...] = field(default=())  # /p2p-circuit addresses: reached through these relays
     auto_layers: int = 0  # layers this daemon would serve if it moved (`--layers auto`); 0: it stays put
     leaving: bool = False  # draining: its layers are as good as gone (a claim while loading is not)
+    relay: bool = False  # offers circuit relay to daemons that cannot be dialled
+
+    @property
+    def dial_addrs(self) -> tuple[str, ...]:
+        """Where to reach this peer: its direct addresses, then its circuit addresses."""
+        return self.addrs + self.relay_addrs
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
@@ -82,7 +88,7 @@ def open_record(value: bytes, key: str | None = None, now: float | None = None,
         raise RecordError(f"record for {record.peer_id} stored under the wrong key {key!r}")
     if not allow_expired and record.expired(now):
         raise RecordError(f"record for {record.peer_id} expired")
-    if not 0 <= record.start < record.end <= record.n_layers:
+    if not (0 <= record.start < record.end <= record.n_layers or record.start == record.end == 0):  # 0:0: no layers
         raise RecordError(f"record for {record.peer_id} has a bad range [{record.start}, {record.end})")
     return record
 

@@ -26,6 +26,7 @@ from libp2p.peer.id import ID
 
 from meshd.log import get_logger
 from meshd.p2p.host import connect, full_addrs, open_host
+from meshd.relay.circuit import is_relayed
 
 DIALBACK_PROTOCOL = TProtocol("/meshd/dialback/1.0.0")
 MAX_MESSAGE = 4096
@@ -170,8 +171,11 @@ class Reachability:
             with trio.move_on_after(ASK_TIMEOUT):
                 req = await _receive(stream)
                 asker = stream.muxed_conn.peer_id.to_base58()
-                remote = stream.get_remote_address()
-                observed = remote[0] if remote else None
+                remote = None if is_relayed(stream.muxed_conn) else stream.get_remote_address()
+                observed = remote[0] if remote else None  # through a relay: we cannot tell, and say so
+                if observed is None:
+                    await _send(stream, {"unknown": True})
+                    return
                 addrs = dial_candidates([a for a in req.get("addrs", []) if isinstance(a, str)][:16],
                                         observed) if observed else []
                 async with self._serving:
@@ -198,6 +202,8 @@ class Reachability:
             if stream is not None:
                 with trio.move_on_after(1.0):
                     await stream.close()
+        if ans.get("unknown"):
+            return None
         addr, observed = ans.get("addr"), ans.get("observed")
         return DialBack(peer_id, bool(ans.get("reachable")), addr if isinstance(addr, str) else None,
                         observed if isinstance(observed, str) else None, time.time())

@@ -66,7 +66,7 @@ def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] |
                 continue
             rate = r.throughput if r.throughput > 0 else DEFAULT_THROUGHPUT
             step = (r.end - a) / rate + link(r.peer_id)
-            cand = (cost + step, count + 1, path + (Hop(r.peer_id, r.addrs, a, r.end),))
+            cand = (cost + step, count + 1, path + (Hop(r.peer_id, r.dial_addrs, a, r.end),))
             old = best.get(r.end)
             if old is None or _better(cand, old):
                 best[r.end] = cand

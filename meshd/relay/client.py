@@ -1,0 +1,142 @@
+"""A private daemon's relays: reservations at `want` relays found in the mesh, kept fresh, replaced
+when a relay goes, and published as circuit addresses in the daemon's record.
+
+Rules: relays are peers whose record says they relay; the nearest (measured record round trip)
+are tried first, one that refused or failed is left alone for a backoff that doubles up to a
+minute; a reservation is renewed when less than `RENEW_AT` of it is left, and dropped as soon as
+the connection to its relay closes (a reservation lives only as long as that connection), so a
+relay that dies is replaced within a tick (`TICK_S`) and the record republished without it.
+Choosing is a pure function (`choose_relays`); the loop only does what it says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+
+from meshd.log import get_logger
+from meshd.relay.circuit import Reserved, reserve
+from meshd.relay.policy import circuit_addr
+
+TICK_S = 1.0
+RENEW_AT = 0.4  # renew when this share of a reservation is left
+MIN_BACKOFF_S, MAX_BACKOFF_S = 2.0, 60.0
+RESERVE_TIMEOUT = 8.0
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RelayCandidate:
+    peer_id: str
+    addrs: tuple[str, ...]  # its direct addresses (from its record)
+    rtt: float | None  # measured record round trip, seconds
+
+
+def choose_relays(candidates: list[RelayCandidate], held: set[str], backoff_until: dict[str, float], now: float,
+                  want: int) -> list[str]:
+    """Relays to try now so that `want` are held: not held already, not in backoff, with a direct
+    address; measured ones nearest first, then unmeasured, ties by peer id."""
+    need = want - len(held)
+    if need <= 0:
+        return []
+    usable = [c for c in candidates if c.peer_id not in held and c.addrs and backoff_until.get(c.peer_id, 0.0) <= now]
+    usable.sort(key=lambda c: (c.rtt is None, c.rtt or 0.0, c.peer_id))
+    return [c.peer_id for c in usable[:need]]
+
+
+class RelayClient:
+    def __init__(self, host, want: int, candidates, connect, active, on_change) -> None:
+        """`candidates()`: RelayCandidates from the mesh; `connect(peer_id, addrs)`: dial directly;
+        `active()`: whether this daemon needs relays now (it is not publicly reachable);
+        `on_change()`: awaited when the circuit addresses changed (republish the record)."""
+        self.host, self.want = host, want
+        self.candidates, self.connect, self.active, self.on_change = candidates, connect, active, on_change
+        self.held: dict[str, Reserved] = {}
+        self.via: dict[str, tuple[str, ...]] = {}  # relay -> the direct addresses we reached it at
+        self.backoff: dict[str, tuple[float, float]] = {}  # relay -> (until, seconds)
+        self.lost = 0  # reservations lost because their relay went away
+        self.replaced_in: list[float] = []  # seconds from losing a relay to holding `want` again
+        self._lost_at: float | None = None  # monotonic time the first of the relays now missing went
+        self._granted: dict[str, float] = {}  # relay -> seconds its last reservation ran for
+
+    def allowed(self) -> set[str]:
+        """Relays this daemon accepts relayed connections from."""
+        return set(self.held)
+
+    def circuit_addrs(self) -> tuple[str, ...]:
+        me = self.host.get_id().to_base58()
+        return tuple(circuit_addr(a, relay, me) for relay in sorted(self.held) for a in self.via.get(relay, ())[:2])
+
+    def summary(self) -> dict:
+        now = time.time()
+        return {"want": self.want if self.active() else 0,
+                "relays": [{"peer_id": r, "expires_in_s": round(v.expires_at - now, 1)} for r, v in sorted(self.held.items())],
+                "circuit_addrs": list(self.circuit_addrs()), "lost": self.lost,
+                "replaced_in_s": [round(s, 2) for s in self.replaced_in[-5:]]}
+
+    def _connected(self, relay: str) -> bool:
+        conns = self.host.get_network().connections.get(ID.from_base58(relay)) or ()
+        return any(not c.is_closed for c in conns)
+
+    async def tick(self) -> None:
+        """One round: drop what is gone, renew what is due, reserve where short; republish on change."""
+        before = self.circuit_addrs()
+        now = time.time()
+        if not self.active():
+            self.held.clear()
+        for relay, r in list(self.held.items()):
+            if not self._connected(relay) or r.expires_at <= now:
+                log.info("relay lost", relay=relay[-8:], connected=self._connected(relay))
+                del self.held[relay]
+                self.lost += 1
+                self._lost_at = self._lost_at or time.monotonic()
+        if self.active():
+            for relay, r in list(self.held.items()):
+                if r.expires_at - now < RENEW_AT * self._lifetime(relay):
+                    await self._reserve(relay)
+            backoff_until = {p: until for p, (until, _) in self.backoff.items()}
+            cands = {c.peer_id: c for c in self.candidates()}
+            for relay in choose_relays(list(cands.values()), set(self.held), backoff_until, now, self.want):
+                await self._reserve(relay, cands[relay].addrs)
+            if len(self.held) >= self.want and self._lost_at is not None:
+                self.replaced_in.append(time.monotonic() - self._lost_at)
+                self._lost_at = None
+        if self.circuit_addrs() != before:
+            log.info("relays", held=[r[-8:] for r in sorted(self.held)], circuit_addrs=len(self.circuit_addrs()))
+            await self.on_change()
+
+    def _lifetime(self, relay: str) -> float:
+        return max(1.0, self._granted.get(relay, 60.0))
+
+    async def _reserve(self, relay: str, addrs: tuple[str, ...] | None = None) -> None:
+        try:
+            with trio.fail_after(RESERVE_TIMEOUT):
+                if addrs is not None:
+                    await self.connect(relay, addrs)
+                got = await reserve(self.host, relay)
+        except Exception as exc:
+            until, seconds = self.backoff.get(relay, (0.0, MIN_BACKOFF_S / 2))
+            seconds = min(MAX_BACKOFF_S, seconds * 2)
+            self.backoff[relay] = (time.time() + seconds, seconds)
+            self.held.pop(relay, None)
+            log.info("relay reservation failed", relay=relay[-8:], error=f"{type(exc).__name__}: {exc}",
+                     retry_in_s=seconds)
+            return
+        self.backoff.pop(relay, None)
+        if addrs is not None:
+            self.via[relay] = tuple(a for a in addrs if "/p2p-circuit" not in a)
+        self._granted[relay] = got.expires_at - time.time()
+        if relay not in self.held:
+            log.info("relay reserved", relay=relay[-8:], expires_in_s=round(got.expires_at - time.time(), 1))
+        self.held[relay] = got
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("relay round failed")
+            await trio.sleep(TICK_S)
