@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--relay-circuit-mb", type=int, help="as a relay: MiB one circuit carries before it is cut"
                       " (default 1024)")
     join.add_argument("--relay-circuit-s", type=float, help="as a relay: seconds one circuit lasts (default 3600)")
+    join.add_argument("--hole-punch", type=int, choices=[0, 1], help="1 (default): turn relayed connections into"
+                      " direct ones where both NATs allow it (DCUtR); 0: keep them relayed")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -153,8 +153,16 @@ def relay_lines(relay: dict | None) -> list[str]:
         lines += [f"  circuit {a}" for a in cli["circuit_addrs"]]
     elif cli and cli["want"]:
         lines.append(f"relays    none reserved yet (want {cli['want']})")
-    if relay.get("relayed_peers"):
-        lines.append(f"relayed   {len(relay['relayed_peers'])} peers reached through a relay")
+    punch = relay.get("hole_punch")
+    relayed = len(relay.get("relayed_peers") or ())
+    if relayed or (punch and punch["attempts"]):
+        line = f"relayed   {relayed} peer{'s' * (relayed != 1)} reached through a relay"
+        if punch is None:
+            line += "; hole punching off"
+        elif punch["attempts"]:
+            line += (f"; hole punching: {punch['upgraded']} of {punch['attempts']} attempts went direct"
+                     + (f" (median {punch['median_s']:.2f} s)" if punch["median_s"] is not None else ""))
+        lines.append(line)
     return lines
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
 from meshd.rebalancer import Rebalancer
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
 from meshd.relay.client import RelayCandidate, RelayClient
+from meshd.relay.punch import HolePuncher
 from meshd.relay.policy import is_circuit, parse_circuit, split_addrs
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.serve import ShardService
@@ -68,6 +69,7 @@ class Daemon:
         self.host = self.mesh = self.reach = None
         self.relay: RelayService | None = None  # the relay this daemon offers (when public)
         self.relays: RelayClient | None = None  # the relays this daemon reserves at (when private)
+        self.punch: HolePuncher | None = None  # upgrades relayed connections to direct ones (--hole-punch)
         self.active_generations = 0
         self.answering = 0  # forwarded requests whose answer is not yet out (a drain waits for them)
         self.throughput = 0.0  # layer-steps per second, measured once loaded
@@ -95,7 +97,10 @@ class Daemon:
         async with open_host(key_pair, s.listen) as host:
             self.host = host
             dht = MeshDHT(host)
-            async with background_trio_service(dht), trio.open_nursery() as nursery:
+            self.punch = HolePuncher(host, busy_protocols=(SHARD_PROTOCOL, GEN_PROTOCOL)) if s.hole_punch else None
+            async with (background_trio_service(dht),
+                        background_trio_service(self.punch) if self.punch else nullcontext(),
+                        trio.open_nursery() as nursery):
                 self.nursery = nursery
                 pid = host.get_id().to_base58()
                 start, end = fixed or (0, 1)
@@ -487,6 +492,7 @@ class Daemon:
             "reachability": self.reach.summary() if self.reach else None,
             "relay": {"service": self.relay.summary() if self.relay and self.settings.relay != "off" else None,
                       "client": self.relays.summary() if self.relays else None,
+                      "hole_punch": self.punch.summary() if self.punch else None,
                       "relayed_peers": self._relayed_peers()},
             "compute_s": round(self.service.compute_s, 3) if self.service else 0.0,
             "steps": self.service.steps if self.service else 0,

@@ -24,7 +24,7 @@ from libp2p.custom_types import TProtocol
 
 from meshd.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.routing.plan import NoRoute, Route, plan_route
+from meshd.routing.plan import link_latency, NoRoute, Route, plan_route
 from meshd.shard.endpoint import token_frame
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
 from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Heartbeat, Message, OpenSession, Opened,
@@ -163,7 +163,8 @@ class Entry:
         generation's bounded attempts stop a hop that keeps failing)."""
         d = self.daemon
         coverage = d.mesh.coverage.serving()
-        plan = lambda skip: plan_route(coverage, d.shard.end, latency=dict(d.mesh.latency),  # noqa: E731
+        links = link_latency(coverage.records, dict(d.mesh.latency))
+        plan = lambda skip: plan_route(coverage, d.shard.end, latency=links,  # noqa: E731
                                        exclude=skip | {d.mesh.peer_id})
         try:
             return plan(failed | busy)

@@ -62,6 +62,7 @@ class Settings:
     relay_circuits_per_peer: int = 16  # as a relay: circuits open at once from or to one daemon
     relay_circuit_mb: int = 1024  # as a relay: MiB one circuit carries (both ways) before it is cut
     relay_circuit_s: float = 3600.0  # as a relay: seconds one circuit lasts before it is cut
+    hole_punch: int = 1  # 1: upgrade relayed connections to direct ones where the NATs allow (DCUtR); 0: never
 
     @property
     def state_path(self) -> Path:

@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 from meshd.dht.coverage import CoverageMap, choose_range
 from meshd.dht.record import CoverageRecord, RecordError, best_index, open_record, record_key, sign_record
 from meshd.dht.validator import CoverageValidator
-from meshd.routing.plan import NoRoute, plan_route
+from meshd.routing.plan import DEFAULT_LATENCY, NoRoute, link_latency, plan_route
 
 
 def keypair():
@@ -123,6 +123,37 @@ def test_route_prefers_fast_short_chains_and_enters_mid_range():
     with pytest.raises(NoRoute, match=r"layers \[10, 20\)"):
         plan_route(cov, 10, exclude={"big", "b"})
     assert plan_route(cov, 30).hops == ()
+
+
+def test_a_relayed_hop_is_priced_by_its_latency_and_a_direct_peer_covering_the_same_layers_wins():
+    circuit = lambda relay, pid: f"/ip4/198.18.0.10/tcp/4690/p2p/{relay}/p2p-circuit/p2p/{pid}"  # noqa: E731
+    relayed = record("h", 10, 30, throughput=2000.0, relay_addrs=(circuit("R", "h"),))
+    direct = record("d", 10, 30, throughput=2000.0)
+    relay = record("R", 0, 0)
+    cov = CoverageMap.build(30, [record("a", 0, 10), relayed, direct, relay])
+    # nothing measured: the relayed peer counts both legs, so the direct one is chosen
+    links = link_latency(cov.records, {})
+    assert links("h") == 2 * DEFAULT_LATENCY and links("d") == DEFAULT_LATENCY
+    assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["d"]
+    # the relay measured at 30 ms: its peers are priced at both legs, 60 ms
+    assert link_latency(cov.records, {"R": 0.03})("h") == pytest.approx(0.06)
+    # measured round trips win over estimates, whichever way they point
+    links = link_latency(cov.records, {"h": 0.004, "d": 0.050})
+    assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["h"]
+    # the route's hop carries the circuit address after the direct ones, for the dialler
+    [hop] = plan_route(cov, 10, latency=link_latency(cov.records, {"d": 1.0})).hops
+    assert hop.peer_id == "h" and hop.addrs == relayed.addrs + relayed.relay_addrs
+
+
+def test_a_relay_only_record_serves_no_layers():
+    kp, pid = keypair()
+    rec = record(pid, 0, 0, relay=True)
+    assert open_record(sign_record(rec, kp.private_key)) == rec  # "none": a valid record
+    for bad in ((5, 5), (3, 2)):
+        with pytest.raises(RecordError, match="bad range"):
+            open_record(sign_record(record(pid, *bad), kp.private_key))
+    cov = CoverageMap.build(30, [rec, record("a", 0, 30)])
+    assert cov.counts() == [1] * 30 and cov.complete
 
 
 def test_no_route_names_every_gap():

@@ -28,7 +28,7 @@ def reference(tokens: int) -> str:
     return local.stdout
 
 
-def start_mesh(bed, mesh: Mesh, relays: int):
+def start_mesh(bed, mesh: Mesh, relays: int, extra=()):
     pubs = []
     for i in range(relays):
         boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
@@ -36,7 +36,7 @@ def start_mesh(bed, mesh: Mesh, relays: int):
                        listen=f"/ip4/{bed.addr(f'pub{i}')}/tcp/4690")
         pubs.append(d.wait_serving())
     boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
-    homes = [mesh.start(f"home{i}", ["--layers", f"{a}:{b}", "--threads", "1", *boot], wrap=bed.wrap(f"home{i}"),
+    homes = [mesh.start(f"home{i}", ["--layers", f"{a}:{b}", "--threads", "1", *boot, *extra], wrap=bed.wrap(f"home{i}"),
                         listen=f"/ip4/{bed.addr(f'home{i}')}/tcp/4690")
              for i, (a, b) in enumerate(RANGES)]
     return pubs, homes
@@ -56,7 +56,7 @@ def test_three_homes_behind_nat_generate_the_reference_text_through_a_relay():
     with open_testbed(public=1, homes=3, delay_ms=DELAY_MS) as bed:
         mesh = Mesh()
         try:
-            [pub], homes = start_mesh(bed, mesh, relays=1)
+            [pub], homes = start_mesh(bed, mesh, relays=1, extra=["--hole-punch", "0"])
             sts = [h.wait_for(relayed_everywhere(1), timeout=120, what="coverage through the relay") for h in homes]
             covered_s = time.monotonic() - t0
             for st, home in zip(sts, homes):  # a home's record carries circuit addresses through the public relay
@@ -65,6 +65,9 @@ def test_three_homes_behind_nat_generate_the_reference_text_through_a_relay():
                 text = ctl(home.socket, ["status"]).stdout
                 assert "reach     private" in text and f"relays    reserved at 1 of 2: {pub['peer_id'][-8:]}" in text
                 assert f"  circuit {circuit}" in text
+            for st in sts:  # ...and the public daemon's record names none: it is dialled directly
+                [relay_peer] = [p for p in st["peers"] if p["peer_id"] == pub["peer_id"]]
+                assert relay_peer["relay"] and relay_peer["relay_addrs"] == [] and relay_peer["addrs"] == pub["addrs"]
             pub_st = mesh.daemons[0].status()
             assert pub_st["reachability"]["status"] == "public"
             for p in pub_st["peers"]:  # the public daemon's own record names no circuit; the homes' do
@@ -80,6 +83,84 @@ def test_three_homes_behind_nat_generate_the_reference_text_through_a_relay():
             assert svc["on"] and svc["reservations"] == 3 and svc["circuits"] >= 2 and svc["relayed_bytes"] > 0
             assert "relay     offered: 3 reservations" in ctl(mesh.daemons[0].socket, ["status"]).stdout
             print(f"three homes via one relay, {DELAY_MS} ms per link: coverage after {covered_s:.1f} s, "
+                  f"ttft {stats['ttft_s']:.3f} s, decode {stats['decode_tok_per_s']:.1f} tok/s")
+        finally:
+            mesh.close()
+
+
+def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and_the_relay_is_replaced():
+    links = {"pub0": LinkSpec(0.003, 0.0), "pub1": LinkSpec(0.012, 0.0), "pub2": LinkSpec(0.025, 0.0)}
+    with open_testbed(public=3, homes=3, delay_ms=DELAY_MS, links=links) as bed:
+        mesh = Mesh()
+        try:
+            pubs, homes = start_mesh(bed, mesh, relays=3, extra=["--hole-punch", "0"])
+            ids = [p["peer_id"] for p in pubs]
+            # each home holds two reservations, at the nearest relays (pub0 and pub1)
+            for h in homes:
+                h.wait_for(lambda s: relayed_everywhere(2)(s)
+                           and {r["peer_id"] for r in s["relay"]["client"]["relays"]} == {ids[0], ids[1]},
+                           timeout=150, what="reservations at pub0 and pub1")
+            proc = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(homes[0].socket), "generate",
+                                     "--max-tokens", str(TOKENS * 2), "--stats", PROMPT],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                first = proc.stdout.read(8)  # text is flowing through pub0, the nearest relay
+                circuits = mesh.daemons[0].status()["relay"]["service"]["circuits"]
+                mesh.daemons[0].kill()
+                killed_at = time.monotonic()
+                rest = proc.stdout.read()
+                err = proc.stderr.read()
+                assert proc.wait(timeout=300) == 0, err + homes[0].tail()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert circuits >= 2  # the route crossed the relay that was killed
+            assert first + rest == reference(TOKENS * 2)
+            stats = json.loads(err.strip().splitlines()[-1])
+            assert stats["reroutes"] >= 1
+            # without an operator: every home drops the dead relay, reserves at pub2 and republishes
+            sts = [h.wait_for(lambda s: {r["peer_id"] for r in s["relay"]["client"]["relays"]} == {ids[1], ids[2]},
+                              timeout=60, what="reservations moved to pub2") for h in homes]
+            replaced_s = time.monotonic() - killed_at
+            for st in sts:
+                assert st["relay"]["client"]["lost"] >= 1
+                assert not any(ids[0] in a for a in st["relay"]["client"]["circuit_addrs"])
+            homes[2].wait_for(lambda s: all(ids[0] not in a for p in s["peers"] for a in p["relay_addrs"]),
+                              timeout=30, what="the homes' records without the dead relay")
+            print(f"relay killed mid-generation: {stats['reroutes']} reroute(s), tokens per second "
+                  f"{stats['decode_tok_per_s']:.1f}; reservations replaced {replaced_s:.1f} s after the kill")
+        finally:
+            mesh.close()
+
+
+@pytest.mark.parametrize("nat", ["easy", "hard"])
+def test_hole_punching_turns_relayed_connections_direct_where_the_nats_allow(nat):
+    with open_testbed(public=1, homes=3, delay_ms=DELAY_MS, nat=nat) as bed:
+        mesh = Mesh()
+        try:
+            [pub], homes = start_mesh(bed, mesh, relays=1)
+            for h in homes:
+                h.wait_for(relayed_everywhere(1), timeout=150, what="coverage")
+            if nat == "easy":  # routers that keep source ports: every pair of homes goes direct
+                sts = [h.wait_for(lambda s: not s["relay"]["relayed_peers"], timeout=60, what="direct connections")
+                       for h in homes]
+                punch = [st["relay"]["hole_punch"] for st in sts]
+                assert sum(p["upgraded"] for p in punch) >= 3  # three pairs of homes
+                assert "hole punching:" in ctl(homes[0].socket, ["status"]).stdout
+            else:  # symmetric NATs: punches fail, the relay keeps carrying the traffic
+                sts = [h.wait_for(lambda s: s["relay"]["hole_punch"]["attempts"] >= 1, timeout=60,
+                                  what="a hole punch attempt") for h in homes]
+                time.sleep(10)
+                sts = [h.status() for h in homes]
+                assert all(st["relay"]["hole_punch"]["upgraded"] == 0 for st in sts)
+                assert all(len(st["relay"]["relayed_peers"]) == 2 for st in sts)
+            out = ctl(homes[0].socket, ["generate", "--max-tokens", str(TOKENS), "--stats", PROMPT], timeout=300)
+            assert out.returncode == 0, out.stderr + homes[0].tail()
+            assert out.stdout == reference(TOKENS)
+            stats = json.loads(out.stderr.strip().splitlines()[-1])
+            relayed = homes[0].status()["relay"]["relayed_peers"]
+            assert (relayed == []) if nat == "easy" else (len(relayed) == 2)
+            print(f"{nat} NAT: hole punches {[st['relay']['hole_punch'] for st in sts]}; "
                   f"ttft {stats['ttft_s']:.3f} s, decode {stats['decode_tok_per_s']:.1f} tok/s")
         finally:
             mesh.close()

@@ -24,7 +24,7 @@ from meshd.relay.policy import circuit_addr
 TICK_S = 1.0
 RENEW_AT = 0.4  # renew when this share of a reservation is left
 MIN_BACKOFF_S, MAX_BACKOFF_S = 2.0, 60.0
-RESERVE_TIMEOUT = 8.0
+RESERVE_TIMEOUT = 5.0
 log = get_logger(__name__)
 
 
@@ -37,14 +37,13 @@ class RelayCandidate:
 
 def choose_relays(candidates: list[RelayCandidate], held: set[str], backoff_until: dict[str, float], now: float,
                   want: int) -> list[str]:
-    """Relays to try now so that `want` are held: not held already, not in backoff, with a direct
-    address; measured ones nearest first, then unmeasured, ties by peer id."""
-    need = want - len(held)
-    if need <= 0:
+    """Relays to try, in order, until `want` are held: not held already, not in backoff, with a direct
+    address; measured ones nearest first, then unmeasured, ties by peer id (empty when enough are held)."""
+    if len(held) >= want:
         return []
     usable = [c for c in candidates if c.peer_id not in held and c.addrs and backoff_until.get(c.peer_id, 0.0) <= now]
     usable.sort(key=lambda c: (c.rtt is None, c.rtt or 0.0, c.peer_id))
-    return [c.peer_id for c in usable[:need]]
+    return [c.peer_id for c in usable]
 
 
 class RelayClient:
@@ -91,6 +90,8 @@ class RelayClient:
             if not self._connected(relay) or r.expires_at <= now:
                 log.info("relay lost", relay=relay[-8:], connected=self._connected(relay))
                 del self.held[relay]
+                if not self._connected(relay):  # gone: not the first to try again (its record lingers a TTL)
+                    self._back_off(relay)
                 self.lost += 1
                 self._lost_at = self._lost_at or time.monotonic()
         if self.active():
@@ -100,6 +101,8 @@ class RelayClient:
             backoff_until = {p: until for p, (until, _) in self.backoff.items()}
             cands = {c.peer_id: c for c in self.candidates()}
             for relay in choose_relays(list(cands.values()), set(self.held), backoff_until, now, self.want):
+                if len(self.held) >= self.want:
+                    break
                 await self._reserve(relay, cands[relay].addrs)
             if len(self.held) >= self.want and self._lost_at is not None:
                 self.replaced_in.append(time.monotonic() - self._lost_at)
@@ -111,6 +114,12 @@ class RelayClient:
     def _lifetime(self, relay: str) -> float:
         return max(1.0, self._granted.get(relay, 60.0))
 
+    def _back_off(self, relay: str) -> float:
+        """Leave `relay` alone for a while, twice as long as last time (up to a minute)."""
+        seconds = min(MAX_BACKOFF_S, self.backoff.get(relay, (0.0, MIN_BACKOFF_S / 2))[1] * 2)
+        self.backoff[relay] = (time.time() + seconds, seconds)
+        return seconds
+
     async def _reserve(self, relay: str, addrs: tuple[str, ...] | None = None) -> None:
         try:
             with trio.fail_after(RESERVE_TIMEOUT):
@@ -118,9 +127,7 @@ class RelayClient:
                     await self.connect(relay, addrs)
                 got = await reserve(self.host, relay)
         except Exception as exc:
-            until, seconds = self.backoff.get(relay, (0.0, MIN_BACKOFF_S / 2))
-            seconds = min(MAX_BACKOFF_S, seconds * 2)
-            self.backoff[relay] = (time.time() + seconds, seconds)
+            seconds = self._back_off(relay)
             self.held.pop(relay, None)
             log.info("relay reservation failed", relay=relay[-8:], error=f"{type(exc).__name__}: {exc}",
                      retry_in_s=seconds)

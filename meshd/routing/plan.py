@@ -15,6 +15,7 @@ from meshd.dht.coverage import CoverageMap
 
 DEFAULT_THROUGHPUT = 500.0  # layer-steps per second assumed for a peer that advertises none
 DEFAULT_LATENCY = 0.005  # seconds per hop assumed for a link never measured
+RELAY_MARKER = "/p2p-circuit/p2p/"
 
 
 class NoRoute(RuntimeError):
@@ -41,6 +42,21 @@ class Route:
 
     def describe(self) -> list[list]:
         return [[h.peer_id, h.start, h.end] for h in self.hops]
+
+
+def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], float]:
+    """Each peer's link latency for planning: measured where known (a record round trip, which for a
+    peer reached through a relay includes both legs); a peer reached only through relays and never
+    measured is priced at twice the latency of its nearest measured relay (both legs), never below
+    twice the default, so an unmeasured direct peer wins over an unmeasured relayed one."""
+    relayed: dict[str, float] = {}
+    for r in records:
+        if r.peer_id in measured or not r.relay_addrs:
+            continue
+        relays = {a.split(RELAY_MARKER)[0].rsplit("/p2p/", 1)[-1] for a in r.relay_addrs}
+        near = min((measured[x] for x in relays if x in measured), default=DEFAULT_LATENCY)
+        relayed[r.peer_id] = 2 * max(near, DEFAULT_LATENCY)
+    return lambda peer: measured.get(peer, relayed.get(peer, DEFAULT_LATENCY))
 
 
 def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] | Callable[[str], float] | None = None,
