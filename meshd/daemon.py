@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from meshd.log import get_logger
 from meshd.mesh import MeshView
 from meshd.metrics import Metrics
 from meshd.p2p.channel import Channel
+from meshd.p2p.race import race
 from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
 from meshd.rebalancer import Rebalancer
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
@@ -51,7 +52,8 @@ from meshd.shard.scheduler import Scheduler
 
 DRAIN_POLL_S = 0.2
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
-DIRECT_TRY_S = 2.0  # a peer reachable through relays too gets this long for a direct dial first
+DIAL_STAGGER_S = 1.0  # a peer with circuit addresses: the next way is tried after this (or a failure)
+DIAL_ATTEMPT_S = 8.0  # one way to a peer (direct, or through one relay)
 log = get_logger(__name__)
 
 
@@ -373,8 +375,9 @@ class Daemon:
                          error=f"{type(exc).__name__}: {exc}")
 
     async def ensure_connected(self, peer_id: str, addrs, fresh: bool = False) -> None:
-        """A connection to a peer that sessions will use: directly, else through one of the relays
-        its circuit addresses name (the nearest first). Dials to one peer go one at a time (16
+        """A connection to a peer that sessions will use: directly, or through one of the relays its
+        circuit addresses name (those we hold a connection to first, then the nearest), tried
+        staggered (`meshd.p2p.race`: a dead relay costs a second, not a timeout). Dials to one peer go one at a time (16
         sessions opening at once must not dial 16 connections), and the peer is protected from
         py-libp2p's per-peer trimming: with one connection allowed per peer, a second one (both
         sides dialling at once) made it close the older connection, streams and all (seen under
@@ -386,25 +389,20 @@ class Daemon:
             if not fresh and any(not c.is_closed for c in network.connections.get(pid) or ()):
                 return
             direct, circuits = split_addrs(addrs)
-            failures = []
-            if direct:
-                try:
-                    with trio.fail_after(DIRECT_TRY_S) if circuits else _no_deadline():
-                        await self._dial_direct(pid, direct, fresh)
-                    return
-                except Exception as exc:
-                    if not circuits:
-                        raise
-                    failures.append(f"direct: {type(exc).__name__}: {exc}")
-            for addr in sorted(circuits, key=self._circuit_rank):
-                try:
-                    relay_addr, relay_id, _ = parse_circuit(addr)
-                    await self.ensure_connected(relay_id, [relay_addr])
-                    await dial_circuit(self.host, addr)
-                    return
-                except Exception as exc:
-                    failures.append(f"{addr.split('/p2p-circuit')[0][-30:]}: {type(exc).__name__}: {exc}")
-            raise ConnectionError(f"cannot reach {peer_id[-8:]}: " + "; ".join(failures))
+            if not circuits:
+                await self._dial_direct(pid, direct, fresh)
+                return
+            ways = [("direct", lambda: self._dial_direct(pid, direct, fresh))] if direct else []
+            ways += [(addr, lambda addr=addr: self._dial_circuit(addr)) for addr in sorted(circuits, key=self._circuit_rank)]
+            try:
+                await race(ways, stagger=DIAL_STAGGER_S, attempt_timeout=DIAL_ATTEMPT_S)
+            except ConnectionError as exc:
+                raise ConnectionError(f"cannot reach {peer_id[-8:]}: {exc}") from None
+
+    async def _dial_circuit(self, addr: str) -> None:
+        relay_addr, relay_id, _ = parse_circuit(addr)
+        await self.ensure_connected(relay_id, [relay_addr])
+        await dial_circuit(self.host, addr)
 
     async def _dial_direct(self, pid: ID, addrs: list[str], fresh: bool) -> None:
         network = self.host.get_network()
@@ -514,11 +512,6 @@ class Daemon:
             "gaps": [list(g) for g in serving.gaps()] if serving else [],
             "complete": serving.complete if serving else False,
         }
-
-
-@contextmanager
-def _no_deadline():
-    yield
 
 
 def run_daemon(settings: Settings) -> int:

@@ -89,7 +89,7 @@ def test_three_homes_behind_nat_generate_the_reference_text_through_a_relay():
 
 
 def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and_the_relay_is_replaced():
-    links = {"pub0": LinkSpec(0.003, 0.0), "pub1": LinkSpec(0.012, 0.0), "pub2": LinkSpec(0.025, 0.0)}
+    links = {"pub0": LinkSpec(0.003, 0.0), "pub1": LinkSpec(0.020, 0.0), "pub2": LinkSpec(0.030, 0.0)}
     with open_testbed(public=3, homes=3, delay_ms=DELAY_MS, links=links) as bed:
         mesh = Mesh()
         try:
@@ -107,28 +107,34 @@ def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and
                 first = proc.stdout.read(8)  # text is flowing through pub0, the nearest relay
                 circuits = mesh.daemons[0].status()["relay"]["service"]["circuits"]
                 mesh.daemons[0].kill()
-                killed_at = time.monotonic()
-                rest = proc.stdout.read()
+                last = time.monotonic()
+                rest, stall = "", 0.0
+                while True:  # the longest pause the client sees is the time the mesh took to recover
+                    chunk = proc.stdout.read(1)
+                    now = time.monotonic()
+                    if not chunk:
+                        break
+                    stall, last, rest = max(stall, now - last), now, rest + chunk
                 err = proc.stderr.read()
                 assert proc.wait(timeout=300) == 0, err + homes[0].tail()
             finally:
                 if proc.poll() is None:
                     proc.kill()
-            assert circuits >= 2  # the route crossed the relay that was killed
+            assert circuits >= 1  # the route crossed the relay that was killed
             assert first + rest == reference(TOKENS * 2)
             stats = json.loads(err.strip().splitlines()[-1])
             assert stats["reroutes"] >= 1
             # without an operator: every home drops the dead relay, reserves at pub2 and republishes
             sts = [h.wait_for(lambda s: {r["peer_id"] for r in s["relay"]["client"]["relays"]} == {ids[1], ids[2]},
                               timeout=60, what="reservations moved to pub2") for h in homes]
-            replaced_s = time.monotonic() - killed_at
             for st in sts:
-                assert st["relay"]["client"]["lost"] >= 1
+                assert st["relay"]["client"]["lost"] >= 1 and st["relay"]["client"]["replaced_in_s"]
                 assert not any(ids[0] in a for a in st["relay"]["client"]["circuit_addrs"])
             homes[2].wait_for(lambda s: all(ids[0] not in a for p in s["peers"] for a in p["relay_addrs"]),
                               timeout=30, what="the homes' records without the dead relay")
-            print(f"relay killed mid-generation: {stats['reroutes']} reroute(s), tokens per second "
-                  f"{stats['decode_tok_per_s']:.1f}; reservations replaced {replaced_s:.1f} s after the kill")
+            replaced = [st["relay"]["client"]["replaced_in_s"][-1] for st in sts]
+            print(f"relay killed mid-generation: {stats['reroutes']} reroute(s), longest pause {stall:.2f} s; "
+                  f"reservations replaced in {replaced} s")
         finally:
             mesh.close()
 
