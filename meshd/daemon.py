@@ -34,7 +34,7 @@ from meshd.mesh import MeshView
 from meshd.metrics import Metrics
 from meshd.p2p.channel import Channel
 from meshd.p2p.race import race
-from meshd.p2p.host import full_addrs, load_or_create_identity, open_host
+from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
 from meshd.rebalancer import Rebalancer
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
 from meshd.relay.client import RelayCandidate, RelayClient
@@ -106,7 +106,7 @@ class Daemon:
                 self.nursery = nursery
                 pid = host.get_id().to_base58()
                 start, end = fixed or (0, 1)
-                record = CoverageRecord(peer_id=pid, addrs=tuple(full_addrs(host)), model=self.artifact.fingerprint,
+                record = CoverageRecord(peer_id=pid, addrs=tuple(dialable_addrs(host)), model=self.artifact.fingerprint,
                                         recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
                                         model_name=self.artifact.name, serving=False, seq=first_seq())
                 self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.ensure_connected)
@@ -121,7 +121,7 @@ class Daemon:
                     app = HttpApi(self, control.generate, self.metrics, s.bearer_token())
                     self.http_addrs = await nursery.start(serve_http, app, check_bind(s.http))
                     log.info("http api up", addrs=self.http_addrs, token=bool(app.token))
-                log.info("daemon up", peer_id=pid, addrs=full_addrs(host), socket=str(s.socket_path))
+                log.info("daemon up", peer_id=pid, addrs=dialable_addrs(host), socket=str(s.socket_path))
                 if s.bootstrap:
                     reached = await self.mesh.connect_bootstrap(s.bootstrap)
                     if not reached:
@@ -469,7 +469,7 @@ class Daemon:
         serving = cov.serving() if cov else None
         return {
             "peer_id": rec.peer_id if rec else None,
-            "addrs": list(full_addrs(self.host)) if self.host else [],
+            "addrs": list(dialable_addrs(self.host)) if self.host else [],
             "state": self.state,
             "drain_reason": self.drain_reason,
             "moved": self.rebalancer.summary() if self.rebalancer else "",

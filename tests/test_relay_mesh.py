@@ -10,6 +10,7 @@ import time
 import pytest
 
 from meshd.localmesh import Mesh, ctl
+from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 from meshd.testing.netswitch import LinkSpec
 
@@ -29,26 +30,14 @@ def reference(tokens: int) -> str:
 
 
 def start_mesh(bed, mesh: Mesh, relays: int, extra=()):
-    pubs = []
-    for i in range(relays):
-        boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
-        d = mesh.start(f"pub{i}", ["--layers", "none", *boot], wrap=bed.wrap(f"pub{i}"),
-                       listen=f"/ip4/{bed.addr(f'pub{i}')}/tcp/4690")
-        pubs.append(d.wait_serving())
-    boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
-    homes = [mesh.start(f"home{i}", ["--layers", f"{a}:{b}", "--threads", "1", *boot, *extra], wrap=bed.wrap(f"home{i}"),
-                        listen=f"/ip4/{bed.addr(f'home{i}')}/tcp/4690")
-             for i, (a, b) in enumerate(RANGES)]
+    pubs, homes = start_nat_mesh(bed, mesh, RANGES, relays, extra)
+    for i, p in enumerate(pubs):  # listening on 0.0.0.0, each publishes its interface address
+        assert p["addrs"] == [f"/ip4/{bed.addr(f'pub{i}')}/tcp/4690/p2p/{p['peer_id']}"]
     return pubs, homes
 
 
 def relayed_everywhere(relays: int):
-    def ok(s):
-        peers = [p for p in s["peers"] if p["range"][0] != p["range"][1]]
-        return (s["state"] == "serving" and s["complete"] and s["reachability"]["status"] == "private"
-                and len(s["relay"]["client"]["relays"]) == relays
-                and len(peers) == 2 and all(p["serving"] and p["relay_addrs"] for p in peers))
-    return ok
+    return covered_through_relays(relays, len(RANGES))
 
 
 def test_three_homes_behind_nat_generate_the_reference_text_through_a_relay():

@@ -14,6 +14,7 @@ import trio
 from meshd.wire import Decoder, Message, encode
 
 READ_SIZE = 1 << 16
+SEND_TIMEOUT = 10.0  # a peer that reads nothing for this long is as good as gone
 TRAFFIC: Counter = Counter()  # (protocol, "sent" | "received") -> bytes, for this process's metrics
 
 
@@ -38,11 +39,18 @@ class Channel:
         return cls(stream.receive_some, stream.send_all, stream.aclose, protocol)
 
     async def send(self, msg: Message) -> None:
+        """Write one frame. The write itself is shielded from cancellation (bounded by SEND_TIMEOUT):
+        py-libp2p encrypts a Noise message before it writes it, so a write cancelled half-way leaves the
+        connection's nonces out of step and kills the connection, every other stream on it too (seen in
+        the relay: a circuit cut mid-write took down the relay's connection to the target)."""
         data = encode(msg)
         try:
             async with self._send_lock:
-                await self._write(data)
+                with trio.CancelScope(shield=True), trio.fail_after(SEND_TIMEOUT):
+                    await self._write(data)
             TRAFFIC[self.protocol, "sent"] += len(data)
+        except trio.TooSlowError:
+            raise ChannelClosed(f"send took over {SEND_TIMEOUT} s: the peer stopped reading") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise ChannelClosed(f"send failed: {exc}") from None
         except Exception as exc:  # libp2p raises its own stream errors (StreamReset, StreamClosed, ...)

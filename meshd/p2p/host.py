@@ -73,6 +73,38 @@ def full_addrs(host) -> list[str]:
     return out
 
 
+def dialable_addrs(host) -> list[str]:
+    """The addresses peers can dial: listen addresses, with an unspecified one (/ip4/0.0.0.0, the
+    default) replaced by this machine's interface addresses at the same port (loopback only when
+    there is nothing else). Published in records; a 0.0.0.0 there would send peers to themselves."""
+    out = []
+    for a in full_addrs(host):
+        if not a.startswith("/ip4/0.0.0.0/"):
+            out.append(a)
+            continue
+        ips = interface_ipv4s()
+        outside = [ip for ip in ips if not ip.startswith("127.")]
+        out += [a.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1) for ip in (outside or ips)]
+    return list(dict.fromkeys(out))
+
+
+def interface_ipv4s() -> list[str]:
+    """IPv4 addresses of this machine's interfaces that are up (Linux: SIOCGIFADDR per interface)."""
+    import fcntl
+    import socket
+    import struct
+
+    ips = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                ips.append(socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, req)[20:24]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this interface
+                continue
+    return ips
+
+
 async def connect(host, addr: str, timeout: float = 10.0):
     """Dial a /.../p2p/<id> multiaddr; returns the peer id. Raises on failure or timeout."""
     info = info_from_p2p_addr(multiaddr.Multiaddr(addr))

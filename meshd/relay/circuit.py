@@ -32,7 +32,7 @@ from meshd.relay.policy import CIRCUIT, RelayLedger, RelayLimits, parse_circuit
 HOP_PROTOCOL = TProtocol("/libp2p/circuit/relay/0.2.0/hop")
 STOP_PROTOCOL = TProtocol("/libp2p/circuit/relay/0.2.0/stop")
 MESSAGE_TIMEOUT = 10.0  # one control message of the relay protocol
-PUMP_CHUNK = 64 * 1024
+PUMP_CHUNK = 16 * 1024  # a Yamux frame of this fits one Noise message
 log = get_logger(__name__)
 
 
@@ -124,7 +124,13 @@ class RelayService:
         else:
             await _end(stream)
 
+    def _connected(self, peer: ID) -> bool:
+        return any(not c.is_closed for c in self.host.get_network().connections.get(peer) or ())
+
     async def _reserve(self, stream, src: ID) -> None:
+        for peer in list(self.ledger.reservations):  # a reservation lives only as long as its connection
+            if not self._connected(ID.from_base58(peer)):
+                self.ledger.drop(peer)
         got = self.ledger.reserve(src.to_base58(), time.time())
         if isinstance(got, str):
             log.info("relay reservation refused", peer=src.to_base58()[-8:], reason=got)
@@ -142,8 +148,8 @@ class RelayService:
         except Exception:
             await _status(stream, StatusCode.MALFORMED_MESSAGE)
             return
-        if not any(not c.is_closed for c in self.host.get_network().connections.get(dst) or ()):
-            self.ledger.drop(dst.to_base58())  # a reservation lives only as long as its connection
+        if not self._connected(dst):
+            self.ledger.drop(dst.to_base58())
         cid = self.ledger.open(src.to_base58(), dst.to_base58(), time.time())
         if isinstance(cid, str):
             log.info("relay circuit refused", src=src.to_base58()[-8:], dst=dst.to_base58()[-8:], reason=cid)
@@ -186,8 +192,11 @@ class RelayService:
                 data = await src.read(PUMP_CHUNK)
                 if not data or not self.ledger.carry(cid, len(data)):
                     break
-                with trio.fail_after(MESSAGE_TIMEOUT * 3):  # a reader that stopped reading stalls its circuit only
-                    await dst.write(data)
+                # shielded: a write cancelled half-way (the other direction ending the circuit) leaves half
+                # a Yamux frame in the Noise stream and kills the whole connection, every circuit on it
+                # (seen: a circuit cut at its byte limit took down the relay's connection to the target)
+                with trio.CancelScope(shield=True), trio.fail_after(MESSAGE_TIMEOUT * 3):
+                    await dst.write(data)  # (a reader that stopped reading stalls its own circuit only)
         except Exception:
             pass
         finally:
