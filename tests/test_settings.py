@@ -72,3 +72,16 @@ def test_threads_and_http_settings_come_from_flags_environment_and_file(tmp_path
     assert (s.threads, s.bearer_token()) == (1, "xyz")
     assert load_settings({}, None, environ={"MESHD_THREADS": "2"}).threads == 2
     assert load_settings({}, None, environ={}).http == ""  # the HTTP API is off unless asked
+
+
+def test_the_example_config_parses_with_every_commented_setting_switched_on(tmp_path):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "systemd" / "meshd.toml.example").read_text()
+    on = re.sub(r"^# ?([a-z_]+ *=)", r"\1", text, flags=re.M)
+    assert on != text
+    cfg = tmp_path / "meshd.toml"
+    cfg.write_text(on)
+    s = load_settings({}, str(cfg), environ={})
+    assert s.relay == "auto" and s.relays == 2 and s.hole_punch == 1 and s.relay_limits().circuit_bytes == 1024 << 20
