@@ -71,6 +71,9 @@ def test_three_homes_behind_nat_generate_the_reference_text_through_a_relay():
             svc = mesh.daemons[0].status()["relay"]["service"]
             assert svc["on"] and svc["reservations"] == 3 and svc["circuits"] >= 2 and svc["relayed_bytes"] > 0
             assert "relay     offered: 3 reservations" in ctl(mesh.daemons[0].socket, ["status"]).stdout
+            # the public daemon holds no layers: it forwards a request to the home entry (over the connection the home opened)
+            fwd = ctl(mesh.daemons[0].socket, ["generate", "--max-tokens", "8", PROMPT], timeout=300)
+            assert fwd.returncode == 0 and fwd.stdout == reference(8), fwd.stderr
             print(f"three homes via one relay, {DELAY_MS} ms per link: coverage after {covered_s:.1f} s, "
                   f"ttft {stats['ttft_s']:.3f} s, decode {stats['decode_tok_per_s']:.1f} tok/s")
         finally:
