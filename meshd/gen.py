@@ -299,9 +299,15 @@ class Attempt:
         return next(i for i, (p, _) in enumerate(self.hops) if p == peer)
 
     async def keepalive(self) -> None:
-        """Ping every hop; a hop's event loop echoes pings even while its compute thread is busy."""
+        """Ping every hop not heard from lately; a hop's event loop echoes pings even while its
+        compute thread is busy. A hop that answered a frame in the last period is plainly alive:
+        pinging it too would cost a frame each way per hop and session, at 8 sessions about as many
+        frames as the tokens themselves."""
         for seq in itertools.count():
+            now = trio.current_time()
             for peer, channel in self.hops:
+                if now - self.heard[peer] < HEARTBEAT_S:
+                    continue
                 try:
                     await channel.send(Heartbeat(seq=seq))
                 except ChannelClosed as exc:
@@ -330,8 +336,9 @@ class Attempt:
                     raise HopFailed(self.hops[i + 1][0], f"unreachable from the hop before: {msg.message}")
                 raise hop_error(peer, msg, retriable=True)
             if isinstance(msg, (Token, Forward)):
-                for p in self.segment_ending(peer):
+                for p in self.segment_ending(peer):  # each of them computed this frame: all alive
                     self.pending[p] -= 1
+                    self.heard[p] = self.heard[peer]
             if isinstance(msg, Token):
                 await self.tokens_send.send(msg)
             elif isinstance(msg, Forward) and nxt is not None:

@@ -132,3 +132,39 @@ async def test_a_busy_error_is_not_a_failure(autojump_clock):
     with pytest.raises(HopFailed) as failed:
         await at.pump("A", a, None)
     assert failed.value.busy_s == 0.3 and "busy" in str(failed.value)
+
+
+async def test_keepalive_pings_only_hops_not_heard_from_lately(autojump_clock):
+    """A hop whose answer arrived within the heartbeat period is alive: no ping for it (at many
+    sessions pings were as many frames as the tokens); a quiet hop is still pinged every period."""
+    from meshd.gen import HEARTBEAT_S
+
+    class CountingHop(FakeHop):
+        def __init__(self) -> None:
+            super().__init__(echo=False)
+            self.pings = 0
+
+        async def send(self, msg) -> None:
+            self.pings += isinstance(msg, Heartbeat)
+            await super().send(msg)
+
+    at = Attempt(None, Progress(), SID, 0)
+    a, b = CountingHop(), CountingHop()
+    at.add_hop("A", a, forwards=True)
+    at.add_hop("B", b)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(at.pump, "B", b, None)
+        nursery.start_soon(at.keepalive)
+
+        async def tail_answers():  # B answers a token every tenth of a period: it completes A's frame too
+            for step in range(40):
+                await at.send("A", a, forward(step))
+                await b.answers_in.send(Token(session_id=SID, epoch=0, step=step, token_id=1))
+                assert await at.next_token(1.0) == 1
+                await trio.sleep(HEARTBEAT_S / 10)
+        await tail_answers()
+        assert a.pings <= 1 and b.pings <= 1  # at most the first round, before any answer
+        before = a.pings, b.pings
+        await trio.sleep(4 * HEARTBEAT_S + 0.01)  # quiet: both are pinged every period again
+        assert a.pings - before[0] >= 3 and b.pings - before[1] >= 3
+        nursery.cancel_scope.cancel()
