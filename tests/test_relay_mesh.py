@@ -29,8 +29,8 @@ def reference(tokens: int) -> str:
     return local.stdout
 
 
-def start_mesh(bed, mesh: Mesh, relays: int, extra=()):
-    pubs, homes = start_nat_mesh(bed, mesh, RANGES, relays, extra)
+def start_mesh(bed, mesh: Mesh, relays: int, extra=(), homes_on_any=False):
+    pubs, homes = start_nat_mesh(bed, mesh, RANGES, relays, extra, homes_on_any=homes_on_any)
     for i, p in enumerate(pubs):  # listening on 0.0.0.0, each publishes its interface address
         assert p["addrs"] == [f"/ip4/{bed.addr(f'pub{i}')}/tcp/4690/p2p/{p['peer_id']}"]
     return pubs, homes
@@ -136,9 +136,10 @@ def test_hole_punching_turns_relayed_connections_direct_where_the_nats_allow(nat
     with open_testbed(public=1, homes=3, delay_ms=DELAY_MS, nat=nat) as bed:
         mesh = Mesh()
         try:
-            [pub], homes = start_mesh(bed, mesh, relays=1)
-            for h in homes:
-                h.wait_for(relayed_everywhere(1), timeout=150, what="coverage")
+            [pub], homes = start_mesh(bed, mesh, relays=1, homes_on_any=True)  # as `meshd join` by default
+            for i, h in enumerate(homes):
+                st = h.wait_for(relayed_everywhere(1), timeout=150, what="coverage")
+                assert st["addrs"] == [f"/ip4/{bed.addr(f'home{i}')}/tcp/4690/p2p/{st['peer_id']}"]
             if nat == "easy":  # routers that keep source ports: every pair of homes goes direct
                 sts = [h.wait_for(lambda s: not s["relay"]["relayed_peers"], timeout=60, what="direct connections")
                        for h in homes]

@@ -6,8 +6,8 @@ IP, seen by identify on the direct connection to the relay, with the listen port
 other at the same moment from their listen port; behind routers that keep source ports (Linux
 masquerade) that succeeds every time in ~0.7 s of exchange, behind symmetric NATs never (three
 attempts per peer, then it gives up and the relay keeps carrying the traffic). New streams then
-take the direct connection. Rules added here: a first plain dial at a peer's other addresses gets
-`DIAL_TIMEOUT` (a private address of another home can hang until the TCP timeout); py-libp2p closes
+take the direct connection. Rules added here: no first plain dial at the addresses identify reports
+(meshd's dialler tried the peer's record addresses already), punch dials get `DIAL_TIMEOUT`; py-libp2p closes
 the relayed connection 60 s after an upgrade, resetting whatever still runs on it, so here it is
 closed only once no session stream (`busy_protocols`) is left on it, or after `DRAIN_MAX_S`;
 attempts and their outcome are counted for `meshctl status`.
@@ -64,6 +64,13 @@ class HolePuncher(DCUtRProtocol):
             log.info("hole punch did not get through", peer=peer_id.to_base58()[-8:],
                      attempt=self._hole_punch_attempts.get(peer_id, 0))
         return ok
+
+    async def _try_unilateral_upgrade(self, peer_id) -> bool:
+        """DCUtR's step 0, a plain dial at the peer's other addresses, is skipped: meshd's dialler
+        already tried them before it went through a relay, and the addresses identify reports are
+        listen addresses (a 0.0.0.0 one made the dial reach this host's own listener and fail the
+        Noise handshake, ~0.7 s a try; a private one of another home could hang to the timeout)."""
+        return False
 
     def _busy(self, conn) -> bool:
         try:

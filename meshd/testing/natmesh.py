@@ -8,9 +8,10 @@ from meshd.localmesh import Mesh
 PORT = 4690
 
 
-def start_nat_mesh(bed, mesh: Mesh, ranges, relays: int, extra=(), threads: int = 1):
+def start_nat_mesh(bed, mesh: Mesh, ranges, relays: int, extra=(), threads: int = 1, homes_on_any: bool = False):
     """Start `relays` public daemons (`--layers none`, listening on 0.0.0.0, each bootstrapping from
-    the earlier ones) and one home daemon per range; returns (public statuses, home DaemonProcs)."""
+    the earlier ones) and one home daemon per range (listening on its LAN address, or with
+    `homes_on_any` on 0.0.0.0, the default of `meshd join`); returns (public statuses, home DaemonProcs)."""
     pubs = []
     for i in range(relays):
         boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
@@ -18,7 +19,8 @@ def start_nat_mesh(bed, mesh: Mesh, ranges, relays: int, extra=(), threads: int 
         pubs.append(d.wait_serving())
     boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
     homes = [mesh.start(f"home{i}", ["--layers", f"{a}:{b}", "--threads", str(threads), *boot, *extra],
-                        wrap=bed.wrap(f"home{i}"), listen=f"/ip4/{bed.addr(f'home{i}')}/tcp/{PORT}")
+                        wrap=bed.wrap(f"home{i}"),
+                        listen=f"/ip4/{'0.0.0.0' if homes_on_any else bed.addr(f'home{i}')}/tcp/{PORT}")
              for i, (a, b) in enumerate(ranges)]
     return pubs, homes
 
