@@ -138,8 +138,8 @@ def test_bad_input_on_a_shard_stream_gets_a_clear_error_and_hurts_nothing(mesh3,
 def disrupted_run(disrupt, prompt: str, tokens: int):
     """Generate on a mesh where two daemons serve 10:20, disrupting the one in use mid-stream.
 
-    Returns the undisturbed text, the disturbed text, meshctl's exit code, stderr, the seconds from
-    the disruption to the end, and the peer ids of the victim and the survivor."""
+    Returns the undisturbed text, the disturbed text, meshctl's exit code, stderr, the longest pause
+    the client saw after the disruption, and the peer ids of the victim and the survivor."""
     m = Mesh()
     try:
         # records outlive the disruption here: these tests are about the entry's reaction, not expiry
@@ -155,14 +155,19 @@ def disrupted_run(disrupt, prompt: str, tokens: int):
         victim, survivor = in_use[0], (b2 if in_use[0] is b1 else b1)
         ids = victim.status()["peer_id"], survivor.status()["peer_id"]
         disrupt(victim.proc)
-        t0 = time.monotonic()
+        last, stall, rest = time.monotonic(), 0.0, ""
         try:
-            rest = proc.stdout.read()  # not communicate(): it would skip what the text wrapper buffered
+            while True:  # not communicate(): it would skip what the text wrapper buffered
+                chunk = proc.stdout.read(1)
+                now = time.monotonic()
+                if not chunk:
+                    break
+                stall, last, rest = max(stall, now - last), now, rest + chunk
             err = proc.stderr.read()
             code = proc.wait(60)
         finally:
             victim.proc.send_signal(signal.SIGCONT)
-        return solo.stdout, first + rest, code, err, time.monotonic() - t0, ids
+        return solo.stdout, first + rest, code, err, stall, ids
     finally:
         m.close()
 
@@ -179,8 +184,9 @@ def test_a_hop_killed_mid_generation_is_routed_around():
 def test_a_frozen_hop_is_noticed_quickly_and_routed_around():
     """SIGSTOP leaves the hop's connection open but silent: it stops echoing the entry's pings, which
     a hop busy computing keeps doing (measured: the client's longest pause ~2 s)."""
-    solo, text, code, err, took, _ = disrupted_run(lambda p: p.send_signal(signal.SIGSTOP), PROMPTS[0], 60)
+    solo, text, code, err, pause, _ = disrupted_run(lambda p: p.send_signal(signal.SIGSTOP), PROMPTS[0], 60)
     assert code == 0, err
-    assert took < 40  # a second and a half of silence, not TCP's minutes
+    assert pause < 20  # a second and a half of silence (~2 s measured), not TCP's minutes; generous for loaded CI
+    print(f"frozen hop: the client's longest pause {pause:.2f} s")
     stats = json.loads(err.strip().splitlines()[-1])
     assert stats["reroutes"] >= 1 and text == solo
