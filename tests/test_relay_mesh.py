@@ -3,6 +3,7 @@ public bootstrap/relay daemons that hold no layers, on network test hosts with l
 internet links. Needs root, `ip` and `nft` (as tests/test_netns.py)."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -124,9 +125,21 @@ def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and
                 assert not any(ids[0] in a for a in st["relay"]["client"]["circuit_addrs"])
             homes[2].wait_for(lambda s: all(ids[0] not in a for p in s["peers"] for a in p["relay_addrs"]),
                               timeout=30, what="the homes' records without the dead relay")
+            # a relay that freezes (SIGSTOP: its connections stay open, it answers nothing) is dropped too
+            frozen = mesh.daemons[1].proc
+            frozen.send_signal(signal.SIGSTOP)
+            try:
+                t_frozen = time.monotonic()
+                for h in homes:
+                    h.wait_for(lambda s: {r["peer_id"] for r in s["relay"]["client"]["relays"]} == {ids[2]}
+                               and not any(ids[1] in a for a in s["relay"]["client"]["circuit_addrs"]),
+                               timeout=60, what="the frozen relay dropped")
+                frozen_s = time.monotonic() - t_frozen
+            finally:
+                frozen.send_signal(signal.SIGCONT)
             replaced = [st["relay"]["client"]["replaced_in_s"][-1] for st in sts]
             print(f"relay killed mid-generation: {stats['reroutes']} reroute(s), longest pause {stall:.2f} s; "
-                  f"reservations replaced in {replaced} s")
+                  f"reservations replaced in {replaced} s; a frozen relay dropped by every home after {frozen_s:.1f} s")
         finally:
             mesh.close()
 

@@ -3,9 +3,11 @@ when a relay goes, and published as circuit addresses in the daemon's record.
 
 Rules: relays are peers whose record says they relay; the nearest (measured record round trip)
 are tried first, one that refused or failed is left alone for a backoff that doubles up to a
-minute; a reservation is renewed when less than `RENEW_AT` of it is left, and dropped as soon as
-the connection to its relay closes (a reservation lives only as long as that connection), so a
-relay that dies is replaced within a tick (`TICK_S`) and the record republished without it.
+minute; a reservation is renewed every `CHECK_S` (a relay that does not answer within
+`RESERVE_TIMEOUT`, a frozen one whose connection still looks open, is dropped and disconnected), and
+dropped as soon as the connection to its relay closes (a reservation lives only as long as that
+connection), so a relay that dies is replaced within a tick (`TICK_S`) and the record republished
+without it.
 Choosing is a pure function (`choose_relays`); the loop only does what it says.
 """
 
@@ -23,6 +25,7 @@ from meshd.relay.policy import circuit_addr
 
 TICK_S = 1.0
 RENEW_AT = 0.4  # renew when this share of a reservation is left
+CHECK_S = 5.0  # a held relay is asked again this often: one that stopped answering (frozen) is dropped
 MIN_BACKOFF_S, MAX_BACKOFF_S = 2.0, 60.0
 RESERVE_TIMEOUT = 5.0
 log = get_logger(__name__)
@@ -60,6 +63,7 @@ class RelayClient:
         self.replaced_in: list[float] = []  # seconds from losing a relay to holding `want` again
         self._lost_at: float | None = None  # monotonic time the first of the relays now missing went
         self._granted: dict[str, float] = {}  # relay -> seconds its last reservation ran for
+        self._checked: dict[str, float] = {}  # relay -> monotonic time of its last answer
 
     def allowed(self) -> set[str]:
         """Relays this daemon accepts relayed connections from."""
@@ -96,8 +100,16 @@ class RelayClient:
                 self._lost_at = self._lost_at or time.monotonic()
         if self.active():
             for relay, r in list(self.held.items()):
-                if r.expires_at - now < RENEW_AT * self._lifetime(relay):
-                    await self._reserve(relay)
+                due = time.monotonic() - self._checked.get(relay, 0.0) >= CHECK_S
+                if due or r.expires_at - now < RENEW_AT * self._lifetime(relay):
+                    if not await self._reserve(relay):
+                        self.lost += 1
+                        self._lost_at = self._lost_at or time.monotonic()
+                        with trio.move_on_after(2.0):  # frozen or refusing: let go of it, circuits included
+                            try:
+                                await self.host.disconnect(ID.from_base58(relay))
+                            except Exception:
+                                pass
             backoff_until = {p: until for p, (until, _) in self.backoff.items()}
             cands = {c.peer_id: c for c in self.candidates()}
             for relay in choose_relays(list(cands.values()), set(self.held), backoff_until, now, self.want):
@@ -120,7 +132,7 @@ class RelayClient:
         self.backoff[relay] = (time.time() + seconds, seconds)
         return seconds
 
-    async def _reserve(self, relay: str, addrs: tuple[str, ...] | None = None) -> None:
+    async def _reserve(self, relay: str, addrs: tuple[str, ...] | None = None) -> bool:
         try:
             with trio.fail_after(RESERVE_TIMEOUT):
                 if addrs is not None:
@@ -131,7 +143,7 @@ class RelayClient:
             self.held.pop(relay, None)
             log.info("relay reservation failed", relay=relay[-8:], error=f"{type(exc).__name__}: {exc}",
                      retry_in_s=seconds)
-            return
+            return False
         self.backoff.pop(relay, None)
         if addrs is not None:
             self.via[relay] = tuple(a for a in addrs if "/p2p-circuit" not in a)
@@ -139,6 +151,8 @@ class RelayClient:
         if relay not in self.held:
             log.info("relay reserved", relay=relay[-8:], expires_in_s=round(got.expires_at - time.time(), 1))
         self.held[relay] = got
+        self._checked[relay] = time.monotonic()
+        return True
 
     async def run(self) -> None:
         while True:
