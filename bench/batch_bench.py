@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -66,6 +67,17 @@ def run_level(entry, n: int, tokens: int) -> dict:
             "ttft_s": statistics.median(s["ttft_s"] for _, _, s in results)}
 
 
+def cpu_s(daemons) -> float:
+    """CPU seconds the daemons' processes have used (every thread: compute and event loop)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in daemons:
+        with open(f"/proc/{d.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 def compute_per_pass(daemons) -> list[tuple[float, int]]:
     return [(s["compute_s"], s["steps"]) for s in (fetch_status(d.socket) for d in daemons)]
 
@@ -91,7 +103,9 @@ def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, g
         out["overhead_per_transfer_ms"] = 1000 * (step - sum(per_pass)) / transfers
         for n in levels:
             before = [fetch_status(d.socket)["batches"] for d in daemons]
+            cpu0 = cpu_s(daemons)
             level = run_level(entry, n, tokens)
+            level["cpu_ms_per_token"] = 1000 * (cpu_s(daemons) - cpu0) / (n * tokens)
             after = [fetch_status(d.socket)["batches"] for d in daemons]
             level["mean_batch"] = [round((a["rows"] - b["rows"]) / max(1, a["passes"] - b["passes"]), 2)
                                    for a, b in zip(after, before)]
@@ -116,7 +130,7 @@ def main() -> None:
     print(f"3 daemons on loopback (0:10, 10:20, 20:30), SmolLM2 native, {args.tokens} new tokens a session,"
           f" {args.threads} torch thread(s) each")
     print(f"{'mode':8} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8} {'p95 ms':>8}"
-          f" {'p95 x solo':>10} {'TTFT s':>7}  mean rows/pass per daemon")
+          f" {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10}  mean rows/pass per daemon")
     for mode, r in res.items():
         base = r["levels"][0]
         for lv in r["levels"]:
@@ -124,7 +138,7 @@ def main() -> None:
             lv["p95_x_one_session"] = lv["p95_ms"] / base["p95_ms"]
             print(f"{mode:8} {lv['sessions']:>8} {lv['aggregate_tok_s']:>10.1f} {lv['x_one_session']:>11.2f}"
                   f" {lv['p50_ms']:>8.1f} {lv['p95_ms']:>8.1f} {lv['p95_x_one_session']:>10.2f}"
-                  f" {lv['ttft_s']:>7.3f}  {lv['mean_batch']}")
+                  f" {lv['ttft_s']:>7.3f} {lv['cpu_ms_per_token']:>10.1f}  {lv['mean_batch']}")
         print(f"{mode:8} solo step {r['solo_step_ms']:.1f} ms = hops' compute"
               f" {' + '.join(f'{c:.1f}' for c in r['hop_compute_ms'])} ms + mesh"
               f" {r['overhead_per_transfer_ms']:.2f} ms per transfer x {r['transfers_per_token']}")

@@ -23,6 +23,7 @@ import trio
 from libp2p.custom_types import TProtocol
 
 from meshd.log import get_logger
+from meshd.nexthop import Links
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.routing.plan import link_latency, NoRoute, Route, plan_route
 from meshd.shard.endpoint import token_frame
@@ -191,6 +192,8 @@ class Entry:
                 for i, hop in enumerate(route.hops):
                     nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
                     at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens, nxt))
+                if at.hops and self.forwarding:
+                    await at.link_first_hop(route.hops[0].addrs)
                 for i, (peer, channel) in enumerate(at.hops):
                     nxt = at.hops[i + 1] if i + 1 < len(at.hops) else None
                     nursery.start_soon(at.pump, peer, channel, nxt)
@@ -261,6 +264,20 @@ class Entry:
         return channel, reply.forwarding and nxt is not None
 
 
+class LinkErrors:
+    """Where the service reports a broken link to the first hop: into the attempt's token queue,
+    which raises it as that hop's failure (the stand-in for a session's home stream)."""
+
+    def __init__(self, queue: trio.MemorySendChannel) -> None:
+        self.queue = queue
+
+    async def send(self, msg: Message) -> None:
+        try:
+            self.queue.send_nowait(msg)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # a full queue has tokens the attempt reads first; a closed one, no attempt left
+
+
 class Attempt:
     """One try at a generation over one route: its hops, the frames each holds unanswered, its
     deadlines and the time it spends. Rule: one per generation and route, never shared, so
@@ -272,7 +289,23 @@ class Attempt:
         self.forwards: list[bool] = []  # per hop: it sends its output to the next hop itself
         self.pending: dict[str, int] = {}  # frames a hop holds or will hold, not yet answered
         self.heard: dict[str, float] = {}  # when each hop last said anything (a frame or a ping's echo)
-        self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token](16)
+        self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token | Error](16)
+        self.linked = False  # the entry's own outputs go to the first hop over the service's shared link
+
+    async def link_first_hop(self, addrs) -> None:
+        """Send the entry's own outputs to the first hop the way hops send theirs: with those of the
+        other generations of the same pass, as one frame on one link (see `meshd/nexthop.py`). A
+        link that breaks reports here, as an Error from the first hop."""
+        peer = self.hops[0][0]
+        try:
+            with trio.fail_after(OPEN_TIMEOUT):
+                link = await self.service.next_hops.acquire(peer, addrs)
+        except Exception as exc:  # the session stream still works: send on it instead
+            log.info("no link to the first hop, sending on the session stream", peer=peer[-8:],
+                     error=f"{type(exc).__name__}: {exc}")
+            return
+        self.service.links[(self.sid, self.epoch)] = Links(home=LinkErrors(self.tokens_send), next=link)
+        self.linked = True
 
     def add_hop(self, peer: str, channel: Channel, forwards: bool = False) -> None:
         self.hops.append((peer, channel))
@@ -340,7 +373,9 @@ class Attempt:
                     self.pending[p] -= 1
                     self.heard[p] = self.heard[peer]
             if isinstance(msg, Token):
-                await self.tokens_send.send(msg)
+                if self.service is not None:  # its next step comes at once: see ShardService.expect
+                    self.service.expect((self.sid, self.epoch), (peer, msg.pass_id), msg.pass_size)
+                await self.tokens_send.send(msg)  # tokens_recv also gets link errors: see LinkErrors
             elif isinstance(msg, Forward) and nxt is not None:
                 await self.send(nxt[0], nxt[1], msg)
 
@@ -350,6 +385,11 @@ class Attempt:
         except ChannelClosed as exc:
             raise HopFailed(peer, f"stream closed: {exc}") from None
         for p in self.segment(self.index(peer)):
+            self.pending[p] += 1
+
+    def sent_on_link(self) -> None:
+        """The service sent the entry's output to the first hop over the link: count it held there."""
+        for p in self.segment(0):
             self.pending[p] += 1
 
     async def local(self, frame: Forward) -> Message | None:
@@ -366,6 +406,8 @@ class Attempt:
             return out.token_id
         if out is not None:
             await self.send(*self.hops[0], out)
+        elif self.linked:
+            self.sent_on_link()
         if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
             return None
         return await self.next_token(STEP_TIMEOUT)
@@ -391,7 +433,10 @@ class Attempt:
             if isinstance(out, Token):  # the entry holds the whole model
                 outs.append(out.token_id)
                 continue
-            await self.send(*self.hops[0], out)
+            if out is None and self.linked:
+                self.sent_on_link()
+            else:
+                await self.send(*self.hops[0], out)
             sent += 1
             while sent - len(outs) >= REPLAY_WINDOW:
                 outs.append(await self.next_token(STEP_TIMEOUT))
@@ -409,7 +454,10 @@ class Attempt:
         try:
             while True:
                 with trio.move_on_after(min(HEARTBEAT_S, max(0.0, deadline - trio.current_time()))):
-                    return (await self.tokens_recv.receive()).token_id
+                    msg = await self.tokens_recv.receive()
+                    if isinstance(msg, Error):  # the link to the first hop broke
+                        raise hop_error(self.hops[0][0], msg, retriable=True)
+                    return msg.token_id
                 silent = self.silent_hop() if self.hops else None
                 if silent is not None:
                     raise HopFailed(silent, f"silent for {trio.current_time() - self.heard[silent]:.1f} s")

@@ -4,7 +4,7 @@ blamed for a stall, and that generations never share it."""
 import pytest
 import trio
 
-from meshd.gen import SILENT_S, Attempt, HopFailed, Progress
+from meshd.gen import SILENT_S, Attempt, HopFailed, LinkErrors, Progress
 from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Phase, Token
 
 SID = b"s" * 16
@@ -122,6 +122,20 @@ async def test_forwarding_hops_hold_a_frame_until_the_tail_answers(autojump_cloc
     with pytest.raises(HopFailed) as failed:
         await at.pump("A", a, ("B", b))
     assert failed.value.peer_id == "B" and failed.value.retriable
+
+
+async def test_outputs_sent_on_the_link_are_held_by_the_segment_and_a_broken_link_fails_the_first_hop(
+        autojump_clock):
+    at = Attempt(None, Progress(), SID, 0)
+    a, b = FakeHop(echo=True), FakeHop(echo=True)
+    at.add_hop("A", a, forwards=True)
+    at.add_hop("B", b)
+    at.sent_on_link()  # the service sent the entry's output to A with those of other sessions
+    assert at.pending == {"A": 1, "B": 1} and a.sent == []
+    await LinkErrors(at.tokens_send).send(Error(code=ErrorCode.NEXT_HOP_FAILED, message="reset", session_id=SID))
+    with pytest.raises(HopFailed) as failed:
+        await at.next_token(5.0)
+    assert failed.value.peer_id == "A" and failed.value.retriable
 
 
 async def test_a_busy_error_is_not_a_failure(autojump_clock):

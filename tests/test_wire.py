@@ -36,6 +36,7 @@ def all_messages():
                       next_peer="12D3KooNext", next_addrs="/ip4/127.0.0.1/tcp/1 /ip4/10.0.0.1/tcp/2"),
         w.Opened(request_id=1, session_id=SID, epoch=0, forwarding=True),
         forward(t),
+        w.ForwardBatch.of([forward(t), forward(t, session_id=bytes(16), step=8, phase=w.Phase.DECODE)]),
         w.Token(session_id=SID, epoch=0, step=2, token_id=42, logprob=-0.5),
         w.Token(session_id=SID, epoch=0, step=2, token_id=42),
         w.Close(session_id=SID, epoch=0),
@@ -71,6 +72,31 @@ def test_every_message_round_trips(msg, encoding):
 
 def test_every_type_is_covered():
     assert {type(m) for m in all_messages()} == set(w.MESSAGE_TYPES.values())
+
+
+def test_forward_batch_gives_back_its_frames():
+    t = w.Tensor.from_numpy("hidden", np.arange(12, dtype=np.float32).reshape(1, 3, 4))
+    frames = [forward(t), forward(session_id=bytes(16)), forward(t, t, step=9, phase=w.Phase.DECODE)]
+    batch = decode_all(w.encode(w.ForwardBatch.of(frames)))[0]
+    assert batch.frames() == frames
+
+
+@pytest.mark.parametrize("items, tensors, match", [
+    ([], 0, "ForwardBatch of 0"),
+    ([[SID, 0, 0, 1, 0, 0, 1, 0]] * (w.MAX_BATCH_FRAMES + 1), 0, "ForwardBatch of 65"),
+    ([[SID, 0, 0, 1, 0, 0, 1]], 0, "list of 8"),
+    ([[SID, "0", 0, 1, 0, 0, 1, 0]], 0, "epoch"),
+    ([[SID, 0, 0, 99, 0, 0, 1, 0]], 0, "Phase"),
+    ([[SID, 0, 0, 1, 0, 0, 1, -1]], 0, "tensor count"),
+    ([[SID, 0, 0, 1, 0, 0, 1, 2]], 1, "claim 2 tensors"),
+    (["item"], 0, "list of 8"),
+])
+def test_bad_forward_batches_are_malformed(items, tensors, match):
+    t = w.Tensor.from_numpy("hidden", np.zeros((1, 1, 4), dtype=np.float32))
+    descs = [[t.name, list(t.shape), t.dtype, "<", "raw", t.nbytes, t.nbytes]] * tensors
+    header = {"v": w.PROTOCOL_VERSION, "t": int(w.MsgType.FORWARD_BATCH), "f": [items], "x": descs}
+    with pytest.raises(w.MalformedFrame, match=match):
+        decode_all(raw_frame(header, t.data * tensors))
 
 
 def test_one_byte_at_a_time_gives_the_same_frames():

@@ -26,6 +26,7 @@ class Channel:
     def __init__(self, read, write, close, protocol: str = "") -> None:
         self._read, self._write, self._close = read, write, close
         self.protocol = protocol
+        self.peer = ""  # the peer at the other end, where known
         self._decoder = Decoder()
         self._pending: list[Message] = []
         self._send_lock = trio.Lock()

@@ -13,9 +13,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
+from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 2  # 2: Error carries retry_after_s
+PROTOCOL_VERSION = 3  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size
 
 
 class MsgType(enum.IntEnum):
@@ -28,6 +29,7 @@ class MsgType(enum.IntEnum):
     HEARTBEAT = 7
     ERROR = 8
     OPENED = 9
+    FORWARD_BATCH = 10
     GENERATE = 16
     STREAM_EVENT = 17
     STATUS = 18
@@ -79,6 +81,8 @@ def field_checker(name: str, hint: Any):
         return lambda v: v if type(v) is int else fail(v)
     if hint is float:
         return lambda v: float(v) if type(v) in (int, float) else fail(v)
+    if hint is tuple:  # msgpack arrays arrive as lists
+        return lambda v: tuple(v) if type(v) in (list, tuple) else fail(v)
     if hint in (str, bytes, dict):
         return lambda v: v if type(v) is hint else fail(v)
     raise TypeError(f"field {name!r}: type {hint!r} cannot travel in a header")
@@ -169,15 +173,66 @@ class Forward(Message):
     tensors: tuple[Tensor, ...] = field(default=())
 
 
+MAX_BATCH_FRAMES = 64  # Forward frames in one ForwardBatch (each has at least one tensor: Limits.max_tensors)
+
+
+@message(MsgType.FORWARD_BATCH)
+class ForwardBatch(Message):
+    """The Forward frames of several sessions in one frame: what one pass of a hop sends to the
+    same next hop, so the next hop gets them together and runs them in one pass. `items` holds
+    each frame's Forward fields followed by its tensor count; `tensors` all their tensors in order.
+    Decoding checks every item as a Forward frame's header would be checked."""
+
+    items: tuple
+    tensors: tuple[Tensor, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.items) <= MAX_BATCH_FRAMES:
+            raise MalformedFrame(f"ForwardBatch of {len(self.items)} frames (1 to {MAX_BATCH_FRAMES})")
+        width = len(Forward.FIELD_CHECKS) + 1
+        items, total = [], 0
+        for item in self.items:
+            if type(item) not in (list, tuple) or len(item) != width:
+                raise MalformedFrame(f"ForwardBatch item must be a list of {width} values")
+            try:
+                values = tuple(check(v) for (_, check), v in zip(Forward.FIELD_CHECKS, item))
+            except TypeError as exc:
+                raise MalformedFrame(f"ForwardBatch item: {exc}") from None
+            count = item[-1]
+            if type(count) is not int or count < 0:
+                raise MalformedFrame(f"ForwardBatch item: bad tensor count {count!r}")
+            total += count
+            items.append((*values, count))
+        if total != len(self.tensors):
+            raise MalformedFrame(f"ForwardBatch items claim {total} tensors, frame has {len(self.tensors)}")
+        object.__setattr__(self, "items", tuple(items))
+
+    @classmethod
+    def of(cls, frames: "list[Forward]") -> "ForwardBatch":
+        items = [(*(getattr(f, name) for name, _ in Forward.FIELD_CHECKS), len(f.tensors)) for f in frames]
+        return cls(items=tuple(items), tensors=tuple(t for f in frames for t in f.tensors))
+
+    def frames(self) -> "list[Forward]":
+        out, at = [], 0
+        names = [name for name, _ in Forward.FIELD_CHECKS]
+        for *values, count in self.items:
+            out.append(Forward(**dict(zip(names, values)), tensors=self.tensors[at:at + count]))
+            at += count
+        return out
+
+
 @message(MsgType.TOKEN)
 class Token(Message):
-    """The token the tail sampled at `step`."""
+    """The token the tail sampled at `step`. `pass_size` tokens of the tail's pass `pass_id` go to
+    the same entry daemon (0: not said): the entry can wait for all of them before its next pass."""
 
     session_id: bytes
     epoch: int
     step: int
     token_id: int
     logprob: Optional[float] = None
+    pass_id: int = 0
+    pass_size: int = 0
 
 
 @message(MsgType.CLOSE)
