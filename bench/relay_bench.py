@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from meshd.localmesh import Mesh
+from meshd.localmesh import Mesh, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed
 from meshd.testing.netswitch import LinkSpec
@@ -41,10 +41,7 @@ def finish(proc, on_first=None) -> tuple[dict, float]:
     first = proc.stdout.read(1)
     if on_first:
         on_first()
-    last, stall = time.monotonic(), 0.0
-    while proc.stdout.read(1):
-        now = time.monotonic()
-        stall, last = max(stall, now - last), now
+    _, stall = read_rest(proc.stdout)
     err = proc.stderr.read()
     if proc.wait(timeout=600) != 0 or not first:
         raise RuntimeError(f"generation failed: {err[-2000:]}")

@@ -39,7 +39,7 @@ from meshd.rebalancer import Rebalancer
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
 from meshd.relay.client import RelayCandidate, RelayClient
 from meshd.relay.punch import HolePuncher
-from meshd.relay.policy import is_circuit, parse_circuit, split_addrs
+from meshd.relay.policy import is_circuit, parse_circuit, relay_of, split_addrs
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.serve import ShardService
 from meshd.settings import Settings
@@ -419,9 +419,8 @@ class Daemon:
 
     def _circuit_rank(self, addr: str) -> tuple:
         """Relays we are connected to first, then the nearest."""
-        try:
-            relay = parse_circuit(addr)[1]
-        except ValueError:
+        relay = relay_of(addr)
+        if relay is None:
             return (2, 0.0)
         connected = any(not c.is_closed for c in self.host.get_network().connections.get(ID.from_base58(relay)) or ())
         return (0 if connected else 1, self.mesh.latency.get(relay, 1.0) if self.mesh else 1.0)

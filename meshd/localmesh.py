@@ -78,6 +78,18 @@ class DaemonProc:
             self.proc.wait(10)
 
 
+def read_rest(stream) -> tuple[str, float]:
+    """Read a text stream (a generating meshctl's stdout) to its end, a character at a time; returns
+    the text and the longest pause between characters, the time a disruption cost the client. (Not
+    `communicate()`: it would skip what the text wrapper has buffered already.)"""
+    last, pause, text = time.monotonic(), 0.0, []
+    while chunk := stream.read(1):
+        now = time.monotonic()
+        pause, last = max(pause, now - last), now
+        text.append(chunk)
+    return "".join(text), pause
+
+
 def ctl(socket: Path, args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(socket), *args],
                           capture_output=True, text=True, timeout=timeout)

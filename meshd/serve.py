@@ -260,7 +260,7 @@ class ShardService:
         for w in done:
             links = self.links.get((w.payload.session_id, w.payload.epoch))
             if links is not None and w.output and isinstance(w.output[0], Token):
-                homes.setdefault(getattr(links.home, "peer", ""), []).append(w)
+                homes.setdefault(links.home.peer, []).append(w)
         for group in homes.values():
             for w in group:
                 w.output = [replace(w.output[0], pass_id=self.steps, pass_size=len(group)), *w.output[1:]]

@@ -12,7 +12,7 @@ import pytest
 from meshd.shard.artifact import open_artifact
 from meshd.shard.reference import load_reference, reference_greedy
 from meshd.shard.tokenizer import load_tokenizer
-from meshd.localmesh import Mesh, ctl
+from meshd.localmesh import Mesh, ctl, read_rest
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
@@ -155,14 +155,8 @@ def disrupted_run(disrupt, prompt: str, tokens: int):
         victim, survivor = in_use[0], (b2 if in_use[0] is b1 else b1)
         ids = victim.status()["peer_id"], survivor.status()["peer_id"]
         disrupt(victim.proc)
-        last, stall, rest = time.monotonic(), 0.0, ""
         try:
-            while True:  # not communicate(): it would skip what the text wrapper buffered
-                chunk = proc.stdout.read(1)
-                now = time.monotonic()
-                if not chunk:
-                    break
-                stall, last, rest = max(stall, now - last), now, rest + chunk
+            rest, stall = read_rest(proc.stdout)
             err = proc.stderr.read()
             code = proc.wait(60)
         finally:

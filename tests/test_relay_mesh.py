@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshd.localmesh import Mesh, ctl
+from meshd.localmesh import Mesh, ctl, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 from meshd.testing.netswitch import LinkSpec
@@ -100,14 +100,7 @@ def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and
                 first = proc.stdout.read(8)  # text is flowing through pub0, the nearest relay
                 circuits = mesh.daemons[0].status()["relay"]["service"]["circuits"]
                 mesh.daemons[0].kill()
-                last = time.monotonic()
-                rest, stall = "", 0.0
-                while True:  # the longest pause the client sees is the time the mesh took to recover
-                    chunk = proc.stdout.read(1)
-                    now = time.monotonic()
-                    if not chunk:
-                        break
-                    stall, last, rest = max(stall, now - last), now, rest + chunk
+                rest, stall = read_rest(proc.stdout)  # the longest pause: the time the mesh took to recover
                 err = proc.stderr.read()
                 assert proc.wait(timeout=300) == 0, err + homes[0].tail()
             finally:

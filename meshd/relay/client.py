@@ -24,7 +24,6 @@ from meshd.relay.circuit import Reserved, reserve
 from meshd.relay.policy import circuit_addr
 
 TICK_S = 1.0
-RENEW_AT = 0.4  # renew when this share of a reservation is left
 CHECK_S = 5.0  # a held relay is asked again this often: one that stopped answering (frozen) is dropped
 MIN_BACKOFF_S, MAX_BACKOFF_S = 2.0, 60.0
 RESERVE_TIMEOUT = 5.0
@@ -62,7 +61,6 @@ class RelayClient:
         self.lost = 0  # reservations lost because their relay went away
         self.replaced_in: list[float] = []  # seconds from losing a relay to holding `want` again
         self._lost_at: float | None = None  # monotonic time the first of the relays now missing went
-        self._granted: dict[str, float] = {}  # relay -> seconds its last reservation ran for
         self._checked: dict[str, float] = {}  # relay -> monotonic time of its last answer
 
     def allowed(self) -> set[str]:
@@ -101,7 +99,7 @@ class RelayClient:
         if self.active():
             for relay, r in list(self.held.items()):
                 due = time.monotonic() - self._checked.get(relay, 0.0) >= CHECK_S
-                if due or r.expires_at - now < RENEW_AT * self._lifetime(relay):
+                if due or r.expires_at - now < 2 * CHECK_S:  # (a relay may grant less than CHECK_S)
                     if not await self._reserve(relay):
                         self.lost += 1
                         self._lost_at = self._lost_at or time.monotonic()
@@ -122,9 +120,6 @@ class RelayClient:
         if self.circuit_addrs() != before:
             log.info("relays", held=[r[-8:] for r in sorted(self.held)], circuit_addrs=len(self.circuit_addrs()))
             await self.on_change()
-
-    def _lifetime(self, relay: str) -> float:
-        return max(1.0, self._granted.get(relay, 60.0))
 
     def _back_off(self, relay: str) -> float:
         """Leave `relay` alone for a while, twice as long as last time (up to a minute)."""
@@ -147,7 +142,6 @@ class RelayClient:
         self.backoff.pop(relay, None)
         if addrs is not None:
             self.via[relay] = tuple(a for a in addrs if "/p2p-circuit" not in a)
-        self._granted[relay] = got.expires_at - time.time()
         if relay not in self.held:
             log.info("relay reserved", relay=relay[-8:], expires_in_s=round(got.expires_at - time.time(), 1))
         self.held[relay] = got

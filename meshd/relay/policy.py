@@ -132,6 +132,14 @@ def parse_circuit(addr: str) -> tuple[str, str, str]:
     return head, relay_id, peer_id
 
 
+def relay_of(addr: str) -> str | None:
+    """The relay a circuit address goes through, or None when it is not a well-formed one."""
+    try:
+        return parse_circuit(addr)[1]
+    except ValueError:
+        return None
+
+
 def split_addrs(addrs) -> tuple[list[str], list[str]]:
     """(direct addresses, circuit addresses)."""
     direct = [a for a in addrs if not is_circuit(a)]

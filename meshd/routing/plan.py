@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from meshd.dht.coverage import CoverageMap
+from meshd.relay.policy import relay_of
 
 DEFAULT_THROUGHPUT = 500.0  # layer-steps per second assumed for a peer that advertises none
 DEFAULT_LATENCY = 0.005  # seconds per hop assumed for a link never measured
-RELAY_MARKER = "/p2p-circuit/p2p/"
 
 
 class NoRoute(RuntimeError):
@@ -53,7 +53,7 @@ def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], floa
     for r in records:
         if r.peer_id in measured or not r.relay_addrs:
             continue
-        relays = {a.split(RELAY_MARKER)[0].rsplit("/p2p/", 1)[-1] for a in r.relay_addrs}
+        relays = {relay_of(a) for a in r.relay_addrs} - {None}  # a malformed address names no relay
         near = min((measured[x] for x in relays if x in measured), default=DEFAULT_LATENCY)
         relayed[r.peer_id] = 2 * max(near, DEFAULT_LATENCY)
     return lambda peer: measured.get(peer, relayed.get(peer, DEFAULT_LATENCY))
