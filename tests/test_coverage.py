@@ -135,6 +135,9 @@ def test_a_relayed_hop_is_priced_by_its_latency_and_a_direct_peer_covering_the_s
     links = link_latency(cov.records, {})
     assert links("h") == 2 * DEFAULT_LATENCY and links("d") == DEFAULT_LATENCY
     assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["d"]
+    # a malformed circuit address in a peer's record names no relay: priced as unmeasured, no error
+    odd = record("o", 10, 30, relay_addrs=("/p2p-circuit/garbage",))
+    assert link_latency([odd], {"R": 0.03})("o") == 2 * DEFAULT_LATENCY
     # the relay measured at 30 ms: its peers are priced at both legs, 60 ms
     assert link_latency(cov.records, {"R": 0.03})("h") == pytest.approx(0.06)
     # measured round trips win over estimates, whichever way they point
