@@ -26,6 +26,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
            "The best way to learn", "In 1969, the first", "import numpy as np\n", "Dear Sir or Madam,"]
 
 
+EVEN = [(0, 10), (10, 20), (20, 30)]
+
+
+def parse_split(text: str) -> list[tuple[int, int]]:
+    """"0:13,13:26,26:30" -> [(0, 13), (13, 26), (26, 30)]."""
+    return [tuple(int(v) for v in part.split(":")) for part in text.split(",")]
+
+
 def one(socket, prompt: str, tokens: int, out: list) -> None:
     """Run one generation; append (start, [arrival time of each text event], stats)."""
     conn = Connection(socket)
@@ -82,11 +90,12 @@ def compute_per_pass(daemons) -> list[tuple[float, int]]:
     return [(s["compute_s"], s["steps"]) for s in (fetch_status(d.socket) for d in daemons)]
 
 
-def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, gather_ms: float = 0.0) -> dict:
+def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, gather_ms: float = 0.0,
+               split: list[tuple[int, int]] = EVEN) -> dict:
     mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0",
                      "MESHD_GATHER_MS": str(gather_ms)})
     try:
-        daemons = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--threads", str(threads)])
+        daemons = mesh.start_chain(split, extra=["--threads", str(threads)])
         entry = daemons[0]
         run_level(entry, 1, 8)  # warm up
         out = {"levels": []}
@@ -103,9 +112,10 @@ def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, g
         out["overhead_per_transfer_ms"] = 1000 * (step - sum(per_pass)) / transfers
         for n in levels:
             before = [fetch_status(d.socket)["batches"] for d in daemons]
-            cpu0 = cpu_s(daemons)
+            cpu0, own0 = cpu_s(daemons), time.process_time()
             level = run_level(entry, n, tokens)
             level["cpu_ms_per_token"] = 1000 * (cpu_s(daemons) - cpu0) / (n * tokens)
+            level["client_cpu_ms_per_token"] = 1000 * (time.process_time() - own0) / (n * tokens)
             after = [fetch_status(d.socket)["batches"] for d in daemons]
             level["mean_batch"] = [round((a["rows"] - b["rows"]) / max(1, a["passes"] - b["passes"]), 2)
                                    for a, b in zip(after, before)]
@@ -123,23 +133,30 @@ def main() -> None:
     ap.add_argument("--modes", default="forward,relay", help="forward, relay, gather (forward, waiting"
                     " --gather-ms before a pass when other sessions' frames are due)")
     ap.add_argument("--gather-ms", type=float, default=2.0)
+    ap.add_argument("--splits", default="0:10,10:20,20:30", help="layer ranges of the three daemons; several"
+                    " splits separated by ';' run side by side (the tail also runs the LM head: an even split"
+                    " of the layers is not an even split of the work)")
     args = ap.parse_args()
     levels = [int(x) for x in args.sessions.split(",")]
-    res = {mode: bench_mode(levels, args.tokens, args.threads, mode != "relay", args.gather_ms if mode == "gather" else 0)
-           for mode in args.modes.split(",")}
-    print(f"3 daemons on loopback (0:10, 10:20, 20:30), SmolLM2 native, {args.tokens} new tokens a session,"
+    res = {}
+    for split in args.splits.split(";"):
+        for mode in args.modes.split(","):
+            res[f"{mode} {split}"] = bench_mode(levels, args.tokens, args.threads, mode != "relay",
+                                                args.gather_ms if mode == "gather" else 0, parse_split(split))
+    print(f"3 daemons on loopback, SmolLM2 native, {args.tokens} new tokens a session,"
           f" {args.threads} torch thread(s) each")
-    print(f"{'mode':8} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8} {'p95 ms':>8}"
-          f" {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10}  mean rows/pass per daemon")
-    for mode, r in res.items():
+    print(f"{'mode and split':28} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8} {'p95 ms':>8}"
+          f" {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10} {'clients':>7}  mean rows/pass per daemon")
+    for name, r in res.items():
         base = r["levels"][0]
         for lv in r["levels"]:
             lv["x_one_session"] = lv["aggregate_tok_s"] / base["aggregate_tok_s"]
             lv["p95_x_one_session"] = lv["p95_ms"] / base["p95_ms"]
-            print(f"{mode:8} {lv['sessions']:>8} {lv['aggregate_tok_s']:>10.1f} {lv['x_one_session']:>11.2f}"
+            print(f"{name:28} {lv['sessions']:>8} {lv['aggregate_tok_s']:>10.1f} {lv['x_one_session']:>11.2f}"
                   f" {lv['p50_ms']:>8.1f} {lv['p95_ms']:>8.1f} {lv['p95_x_one_session']:>10.2f}"
-                  f" {lv['ttft_s']:>7.3f} {lv['cpu_ms_per_token']:>10.1f}  {lv['mean_batch']}")
-        print(f"{mode:8} solo step {r['solo_step_ms']:.1f} ms = hops' compute"
+                  f" {lv['ttft_s']:>7.3f} {lv['cpu_ms_per_token']:>10.1f} {lv['client_cpu_ms_per_token']:>7.2f}"
+                  f"  {lv['mean_batch']}")
+        print(f"{name:28} solo step {r['solo_step_ms']:.1f} ms = hops' compute"
               f" {' + '.join(f'{c:.1f}' for c in r['hop_compute_ms'])} ms + mesh"
               f" {r['overhead_per_transfer_ms']:.2f} ms per transfer x {r['transfers_per_token']}")
     print(json.dumps({"bench": "batch", "tokens": args.tokens, "threads": args.threads, **res}))

@@ -399,13 +399,13 @@ class ShardService:
             if isinstance(msg, OpenSession):
                 structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
             try:
-                replies = await (self.open_linked(msg, channel) if isinstance(msg, OpenSession) else self.handle(msg))
+                answers = await (self.open_linked(msg, channel) if isinstance(msg, OpenSession) else self.handle(msg))
             except Exception as exc:  # a bug in one session must not take the daemon down
                 log.exception("shard request failed")
-                replies = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
+                answers = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
                                  session_id=getattr(msg, "session_id", b""))]
             try:
-                for reply in replies:
+                for reply in answers:
                     await self.deliver(msg, reply, channel)
             except ChannelClosed:
                 return

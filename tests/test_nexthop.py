@@ -208,6 +208,28 @@ def test_bad_frames_on_a_link_get_an_error_and_leave_the_service_up(artifact, co
     trio.run(main)
 
 
+def test_a_batch_after_other_frames_on_one_stream_is_answered(artifact, compute):
+    """A stream that opened a session (its frames answered one by one) and then sends a
+    ForwardBatch still gets every reply, in order, and the stream stays served."""
+    async def main():
+        tail = service_for(artifact, compute, 3, 6)
+        a, b = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tail.serve_stream, Pipe(b))
+            ch = Channel.over_trio(a)
+            sid = b"o" * 16
+            await ch.send(open_msg(sid, 3, 6))
+            assert isinstance(await ch.receive(5), Opened)
+            await ch.send(ForwardBatch.of([frame(1), frame(2)]))
+            replies = [await ch.receive(5), await ch.receive(5)]
+            assert [r.code for r in replies] == [ErrorCode.UNKNOWN_SESSION] * 2
+            await ch.send(open_msg(b"p" * 16, 3, 6))  # the stream is still served
+            assert isinstance(await ch.receive(5), Opened)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_pass_waits_briefly_for_frames_said_to_be_on_their_way(artifact, compute):
     """The entry's tokens come back one stream at a time: a pass waits (at most DUE_WAIT_S) for
     the sessions `expect`ed, and not again for one that never came."""
