@@ -1,17 +1,22 @@
 """Throughput under many users: three daemons on loopback (SmolLM2, native lane), N concurrent sessions.
 
 For 1, 4, 8 and 16 concurrent generations of --tokens new tokens each (greedy, past end-of-text):
-aggregate decode tok/s over the run, p50/p95 time between streamed tokens, and the hops' mean batch
-size; side by side for hop-to-hop forwarding (default) and the entry relaying every hop's output.
-Also the mesh's own per-token cost: a solo decode step seen at the entry minus the hops' compute
-per step, per transfer.
-Usage: python bench/batch_bench.py [--tokens 64] [--sessions 1,4,8,16] [--threads 1] [--modes forward,relay]
+aggregate decode tok/s over the run, p50/p95 time between streamed tokens, the daemons' CPU per token,
+the hops' mean batch size and how busy each compute thread was; side by side for hop-to-hop
+forwarding (default) and the entry relaying every hop's output, for several layer splits and
+several `--microbatches`. Also the mesh's own per-token cost: a solo decode step seen at the entry minus
+the hops' compute per step, per transfer. On a box with a core or more per daemon, `--pin` keeps
+each daemon on its own cores; `--cpu-share` caps each daemon at a share of the box's cores (its own
+cpu cgroup), standing in for one small machine per daemon.
+Usage: python bench/batch_bench.py [--tokens 64] [--sessions 1,4,8,16] [--modes forward,relay]
+       [--splits "0:10,10:20,20:30;0:13,13:26,26:30"] [--microbatches 1,2] [--pin "0-3;4-7;8-11"] [--cpu-share 0.6]
 Prints a table, then one JSON object on the last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -20,6 +25,7 @@ import time
 
 from meshd.ctl import Connection, fetch_status, new_request_id
 from meshd.localmesh import Mesh
+from meshd.testing.cgroup import open_cpu_cgroup
 from meshd.wire import GenerateRequest
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
@@ -32,6 +38,21 @@ EVEN = [(0, 10), (10, 20), (20, 30)]
 def parse_split(text: str) -> list[tuple[int, int]]:
     """"0:13,13:26,26:30" -> [(0, 13), (13, 26), (26, 30)]."""
     return [tuple(int(v) for v in part.split(":")) for part in text.split(",")]
+
+
+def parse_cpus(text: str) -> set[int]:
+    """"0-3" or "0,2,5" -> {0, 1, 2, 3} or {0, 2, 5}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Keep every thread of a running process on `cpus` (one machine's cores, on a box with many)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
 
 
 def one(socket, prompt: str, tokens: int, out: list) -> None:
@@ -86,43 +107,66 @@ def cpu_s(daemons) -> float:
     return total / ticks
 
 
-def compute_per_pass(daemons) -> list[tuple[float, int]]:
-    return [(s["compute_s"], s["steps"]) for s in (fetch_status(d.socket) for d in daemons)]
+def compute_per_pass(daemons) -> list[tuple[float, int, float]]:
+    """Per daemon: seconds its passes took as the event loop saw them (handing the pass to the compute
+    thread and getting its result back included), passes, and seconds its compute thread ran."""
+    return [(s["compute_s"], s["steps"], s["compute_busy_s"]) for s in (fetch_status(d.socket) for d in daemons)]
 
 
 def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, gather_ms: float = 0.0,
-               split: list[tuple[int, int]] = EVEN) -> dict:
-    mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0",
-                     "MESHD_GATHER_MS": str(gather_ms)})
-    try:
-        daemons = mesh.start_chain(split, extra=["--threads", str(threads)])
-        entry = daemons[0]
-        run_level(entry, 1, 8)  # warm up
-        out = {"levels": []}
-        # the mesh's own cost per token: a solo run's step time minus what the hops computed
-        before = compute_per_pass(daemons)
-        solo = run_level(entry, 1, tokens)
-        after = compute_per_pass(daemons)
-        per_pass = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before)]
-        step = solo["p50_ms"] / 1000
-        out["solo_step_ms"] = 1000 * step
-        out["hop_compute_ms"] = [1000 * p for p in per_pass]
-        transfers = len(daemons) if forwarding else 2 * (len(daemons) - 1)  # relaying: out and back per hop
-        out["transfers_per_token"] = transfers
-        out["overhead_per_transfer_ms"] = 1000 * (step - sum(per_pass)) / transfers
-        for n in levels:
-            before = [fetch_status(d.socket)["batches"] for d in daemons]
-            cpu0, own0 = cpu_s(daemons), time.process_time()
-            level = run_level(entry, n, tokens)
-            level["cpu_ms_per_token"] = 1000 * (cpu_s(daemons) - cpu0) / (n * tokens)
-            level["client_cpu_ms_per_token"] = 1000 * (time.process_time() - own0) / (n * tokens)
-            after = [fetch_status(d.socket)["batches"] for d in daemons]
-            level["mean_batch"] = [round((a["rows"] - b["rows"]) / max(1, a["passes"] - b["passes"]), 2)
-                                   for a, b in zip(after, before)]
-            out["levels"].append(level)
-        return out
-    finally:
-        mesh.close()
+               split: list[tuple[int, int]] = EVEN, cpus: list[set[int]] | None = None, microbatches: int = 2,
+               cpu_share: float = 0.0) -> dict:
+    with contextlib.ExitStack() as stack:
+        # each daemon in its own cpu cgroup: a machine of `cpu_share` cores each, on one box
+        groups = [stack.enter_context(open_cpu_cgroup(cpu_share)) for _ in split] if cpu_share else []
+        mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0",
+                         "MESHD_GATHER_MS": str(gather_ms)})
+        try:
+            daemons = mesh.start_chain(split, extra=["--threads", str(threads), "--microbatches", str(microbatches)])
+            for d, where in zip(daemons, cpus or []):
+                pin(d.proc.pid, where)
+            for d, group in zip(daemons, groups):
+                group.add(d.proc.pid)
+            return measure(daemons, levels, tokens, forwarding)
+        finally:
+            mesh.close()
+
+
+def measure(daemons, levels: list[int], tokens: int, forwarding: bool) -> dict:
+    """Solo step and the mesh's own cost per transfer, then each level of concurrent sessions."""
+    entry = daemons[0]
+    run_level(entry, 1, 8)  # warm up
+    out = {"levels": []}
+    # the mesh's own cost per token: a solo run's step time minus what the hops computed
+    before = compute_per_pass(daemons)
+    solo = run_level(entry, 1, tokens)
+    after = compute_per_pass(daemons)
+    per_pass = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before)]
+    per_pass_thread = [(a[2] - b[2]) / max(1, a[1] - b[1]) for a, b in zip(after, before)]
+    step = solo["p50_ms"] / 1000
+    out["solo_step_ms"] = 1000 * step
+    out["hop_compute_ms"] = [1000 * p for p in per_pass]
+    out["hop_compute_thread_ms"] = [1000 * p for p in per_pass_thread]
+    transfers = len(daemons) if forwarding else 2 * (len(daemons) - 1)  # relaying: out and back per hop
+    out["transfers_per_token"] = transfers
+    out["overhead_per_transfer_ms"] = 1000 * (step - sum(per_pass)) / transfers
+    # the same, counting the hand-offs between a daemon's event loop and its compute thread as mesh
+    out["overhead_per_transfer_thread_ms"] = 1000 * (step - sum(per_pass_thread)) / transfers
+    for n in levels:
+        before = [fetch_status(d.socket)["batches"] for d in daemons]
+        busy0 = compute_per_pass(daemons)
+        cpu0, own0 = cpu_s(daemons), time.process_time()
+        level = run_level(entry, n, tokens)
+        # how much of the run each daemon's compute thread was busy with passes
+        level["compute_busy"] = [round((a[0] - b[0]) / level["wall_s"], 2)
+                                 for a, b in zip(compute_per_pass(daemons), busy0)]
+        level["cpu_ms_per_token"] = 1000 * (cpu_s(daemons) - cpu0) / (n * tokens)
+        level["client_cpu_ms_per_token"] = 1000 * (time.process_time() - own0) / (n * tokens)
+        after = [fetch_status(d.socket)["batches"] for d in daemons]
+        level["mean_batch"] = [round((a["rows"] - b["rows"]) / max(1, a["passes"] - b["passes"]), 2)
+                               for a, b in zip(after, before)]
+        out["levels"].append(level)
+    return out
 
 
 def main() -> None:
@@ -136,29 +180,44 @@ def main() -> None:
     ap.add_argument("--splits", default="0:10,10:20,20:30", help="layer ranges of the three daemons; several"
                     " splits separated by ';' run side by side (the tail also runs the LM head: an even split"
                     " of the layers is not an even split of the work)")
+    ap.add_argument("--pin", default="", help="cores of each daemon, e.g. '0-3;4-7;8-11' (a box with a core or"
+                    " more per daemon, standing in for one machine each); default: all share every core")
+    ap.add_argument("--cpu-share", type=float, default=0.0, help="cores each daemon may use, each in its own cpu"
+                    " cgroup (root): e.g. 0.6 stands in for three machines of 0.6 cores on a 2-core box; 0: all"
+                    " share the box")
+    ap.add_argument("--microbatches", default="2", help="the entry's --microbatches; several values separated by ','"
+                    " run side by side (1: every generation in one, as before they existed; 0: one per daemon on"
+                    " the route)")
     args = ap.parse_args()
+    cpus = [parse_cpus(c) for c in args.pin.split(";")] if args.pin else None
     levels = [int(x) for x in args.sessions.split(",")]
     res = {}
     for split in args.splits.split(";"):
         for mode in args.modes.split(","):
-            res[f"{mode} {split}"] = bench_mode(levels, args.tokens, args.threads, mode != "relay",
-                                                args.gather_ms if mode == "gather" else 0, parse_split(split))
+            for microbatches in args.microbatches.split(","):
+                res[f"{mode} {split} mb {microbatches}"] = bench_mode(
+                    levels, args.tokens, args.threads, mode != "relay", args.gather_ms if mode == "gather" else 0,
+                    parse_split(split), cpus, int(microbatches), args.cpu_share)
+    where = f" pinned {args.pin}" if cpus else " shared"
     print(f"3 daemons on loopback, SmolLM2 native, {args.tokens} new tokens a session,"
-          f" {args.threads} torch thread(s) each")
-    print(f"{'mode and split':28} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8} {'p95 ms':>8}"
-          f" {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10} {'clients':>7}  mean rows/pass per daemon")
+          f" {args.threads} torch thread(s) each, {os.cpu_count()} cores{where}"
+          + (f", each daemon capped at {args.cpu_share:g} cores" if args.cpu_share else ""))
+    print(f"{'mode, split, microbatches (mb)':36} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8}"
+          f" {'p95 ms':>8} {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10} {'clients':>7}"
+          "  mean rows/pass per daemon, compute busy")
     for name, r in res.items():
         base = r["levels"][0]
         for lv in r["levels"]:
             lv["x_one_session"] = lv["aggregate_tok_s"] / base["aggregate_tok_s"]
             lv["p95_x_one_session"] = lv["p95_ms"] / base["p95_ms"]
-            print(f"{name:28} {lv['sessions']:>8} {lv['aggregate_tok_s']:>10.1f} {lv['x_one_session']:>11.2f}"
+            print(f"{name:36} {lv['sessions']:>8} {lv['aggregate_tok_s']:>10.1f} {lv['x_one_session']:>11.2f}"
                   f" {lv['p50_ms']:>8.1f} {lv['p95_ms']:>8.1f} {lv['p95_x_one_session']:>10.2f}"
                   f" {lv['ttft_s']:>7.3f} {lv['cpu_ms_per_token']:>10.1f} {lv['client_cpu_ms_per_token']:>7.2f}"
-                  f"  {lv['mean_batch']}")
-        print(f"{name:28} solo step {r['solo_step_ms']:.1f} ms = hops' compute"
+                  f"  {lv['mean_batch']} {lv['compute_busy']}")
+        print(f"{name:36} solo step {r['solo_step_ms']:.1f} ms = hops' compute"
               f" {' + '.join(f'{c:.1f}' for c in r['hop_compute_ms'])} ms + mesh"
-              f" {r['overhead_per_transfer_ms']:.2f} ms per transfer x {r['transfers_per_token']}")
+              f" {r['overhead_per_transfer_ms']:.2f} ms per transfer x {r['transfers_per_token']}"
+              f" ({r['overhead_per_transfer_thread_ms']:.2f} ms counting the hand-offs to each compute thread)")
     print(json.dumps({"bench": "batch", "tokens": args.tokens, "threads": args.threads, **res}))
 
 

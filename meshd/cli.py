@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " before this daemon moves again (default 60)")
     join.add_argument("--gather-ms", type=float, help="milliseconds a forward pass waits for other sessions'"
                       " frames before it starts, when some are due (default 0: at once)")
+    join.add_argument("--microbatches", type=int, help="groups of generations this entry keeps in separate forward"
+                      " passes on every hop, so that a daemon has a pass to run while another group is elsewhere on"
+                      " the route (default 2, at most one per daemon on the route; 0: one per daemon on the route)")
     join.add_argument("--relay", choices=["auto", "on", "off"], help="offer circuit relay to daemons that cannot"
                       " be dialled: auto (default: while this daemon is publicly reachable), on, off")
     join.add_argument("--relays", type=int, help="relays this daemon reserves at when it cannot be dialled (default 2;"

@@ -326,7 +326,8 @@ class Daemon:
     def _install(self, loaded: tuple) -> None:
         """Serve a range loaded by `_open_shard`: new sessions and generations go to it from now on."""
         self.shard, self.tokenizer, self.service, self.throughput = loaded
-        self.entry = (Entry(self, busy_wait_s=self.settings.busy_wait, forwarding=bool(self.settings.forwarding))
+        self.entry = (Entry(self, busy_wait_s=self.settings.busy_wait, forwarding=bool(self.settings.forwarding),
+                            microbatches=self.settings.microbatches)
                       if self.shard.is_head else None)
 
     @staticmethod

@@ -93,10 +93,14 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
 class Entry:
     """Runs generations for a daemon that serves layer 0."""
 
-    def __init__(self, daemon, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True) -> None:
+    def __init__(self, daemon, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True,
+                 microbatches: int = 2) -> None:
         self.daemon = daemon
         self.busy_wait_s = busy_wait_s
         self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
+        self.microbatches = microbatches  # spread generations over so many, at most one per daemon on the route
+        # (0: exactly one per daemon on the route)
+        self.microbatch_use = Microbatches()
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         d = self.daemon
@@ -186,12 +190,15 @@ class Entry:
         sid = os.urandom(16)
         at = Attempt(d.service, progress, sid, epoch)  # this try's own state: nothing shared between generations
         local_key = (sid, epoch)
+        daemons = len(route.hops) + 1
+        microbatch = self.microbatch_use.take(min(self.microbatches, daemons) if self.microbatches else daemons)
         try:
             async with trio.open_nursery() as nursery:
-                await self._open_local(sid, epoch, req, ids, max_tokens)
+                await self._open_local(sid, epoch, req, ids, max_tokens, microbatch)
                 for i, hop in enumerate(route.hops):
                     nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
-                    at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens, nxt))
+                    at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, len(ids) + max_tokens, nxt,
+                                                                  microbatch))
                 if at.hops and self.forwarding:
                     await at.link_first_hop(route.hops[0].addrs)
                 for i, (peer, channel) in enumerate(at.hops):
@@ -220,6 +227,7 @@ class Entry:
                     position += 1
                 nursery.cancel_scope.cancel()
         finally:
+            self.microbatch_use.give(microbatch)
             with trio.CancelScope(shield=True):
                 await at.service.release(local_key)  # the shard it opened on, even after a move
                 with trio.move_on_after(2.0):
@@ -230,28 +238,29 @@ class Entry:
                             pass
                         await channel.aclose()
 
-    async def _open_local(self, sid, epoch, req, ids, max_tokens) -> None:
+    async def _open_local(self, sid, epoch, req, ids, max_tokens, microbatch=0) -> None:
         d = self.daemon
-        reply = await d.service.handle(self._open_msg(sid, epoch, 0, d.shard.end, req, len(ids) + max_tokens))
+        reply = await d.service.handle(self._open_msg(sid, epoch, 0, d.shard.end, req, len(ids) + max_tokens,
+                                                      microbatch=microbatch))
         if not isinstance(reply[0], Opened):
             raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
 
-    def _open_msg(self, sid, epoch, start, end, req, max_length, nxt=None) -> OpenSession:
+    def _open_msg(self, sid, epoch, start, end, req, max_length, nxt=None, microbatch=0) -> OpenSession:
         d = self.daemon
         return OpenSession(request_id=req.request_id, session_id=sid, epoch=epoch, start=start, end=end,
                            model_fingerprint=d.artifact.fingerprint, recipe_fingerprint=d.recipe_fp,
                            max_length=max_length, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                            seed=req.seed, next_peer=nxt.peer_id if nxt and self.forwarding else "",
-                           next_addrs=" ".join(nxt.addrs) if nxt and self.forwarding else "")
+                           next_addrs=" ".join(nxt.addrs) if nxt and self.forwarding else "", microbatch=microbatch)
 
-    async def _open_hop(self, hop, sid, epoch, req, max_length, nxt=None) -> tuple[Channel, bool]:
+    async def _open_hop(self, hop, sid, epoch, req, max_length, nxt=None, microbatch=0) -> tuple[Channel, bool]:
         """A session on a hop: its stream, and whether the hop sends its output on to `nxt` itself."""
         d = self.daemon
         try:
             with trio.fail_after(OPEN_TIMEOUT):
                 stream = await d.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
                 channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length, nxt))
+                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length, nxt, microbatch))
                 reply = await channel.receive(OPEN_TIMEOUT)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
             raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
@@ -262,6 +271,26 @@ class Entry:
         if not isinstance(reply, Opened):
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
         return channel, reply.forwarding and nxt is not None
+
+
+class Microbatches:
+    """How many generations run in each microbatch. A new generation takes the least used of the first
+    n, so that n groups move down the route apart: while one group computes at a daemon, the others
+    are at other daemons (or on the wire), and a daemon has a pass to run while work waits elsewhere
+    (see meshd/shard/scheduler.py)."""
+
+    def __init__(self) -> None:
+        self.used: dict[int, int] = {}
+
+    def take(self, n: int) -> int:
+        microbatch = min(range(max(1, n)), key=lambda i: (self.used.get(i, 0), i))
+        self.used[microbatch] = self.used.get(microbatch, 0) + 1
+        return microbatch
+
+    def give(self, microbatch: int) -> None:
+        self.used[microbatch] -= 1
+        if not self.used[microbatch]:
+            del self.used[microbatch]
 
 
 class LinkErrors:

@@ -163,7 +163,8 @@ class ShardService:
         self.due.discard(key)
         self._arrived.set()
         try:
-            return self.scheduler.submit(key, rows, msg.phase == Phase.DECODE, msg)
+            state = self.endpoint.sessions.get(key)  # its microbatch: only frames of one microbatch share a pass
+            return self.scheduler.submit(key, rows, msg.phase == Phase.DECODE, msg, state.microbatch if state else 0)
         except QueueFull as exc:
             return Error(code=ErrorCode.BUSY, message=str(exc), retriable=True, session_id=msg.session_id,
                          retry_after_s=self.retry_hint())

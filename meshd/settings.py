@@ -55,6 +55,8 @@ class Settings:
     move_cooldown: float = 60.0  # with --layers auto: seconds after a move before this daemon moves again
     gather_ms: float = 0.0  # a pass waits this long for frames due from other sessions (0: starts at once)
     forwarding: int = 1  # 1: hops pass hidden states to the next hop; 0: the entry relays every hop's output
+    microbatches: int = 2  # groups of generations an entry keeps in separate passes, at most one per daemon
+    # on the route (0: exactly one per daemon on the route)
     relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
     relays: int = 2  # relays a daemon that cannot be dialled reserves at (0: none)
     relay_reservations: int = 32  # as a relay: daemons holding a reservation at once

@@ -4,7 +4,7 @@ blamed for a stall, and that generations never share it."""
 import pytest
 import trio
 
-from meshd.gen import SILENT_S, Attempt, HopFailed, LinkErrors, Progress
+from meshd.gen import SILENT_S, Attempt, HopFailed, Microbatches, LinkErrors, Progress
 from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Phase, Token
 
 SID = b"s" * 16
@@ -182,3 +182,17 @@ async def test_keepalive_pings_only_hops_not_heard_from_lately(autojump_clock):
         await trio.sleep(4 * HEARTBEAT_S + 0.01)  # quiet: both are pinged every period again
         assert a.pings - before[0] >= 3 and b.pings - before[1] >= 3
         nursery.cancel_scope.cancel()
+
+
+def test_new_generations_take_the_least_used_microbatch():
+    microbatches = Microbatches()
+    assert [microbatches.take(3) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    microbatches.give(1)
+    microbatches.give(1)
+    assert microbatches.take(3) == 1  # emptied: the next one goes there
+    assert microbatches.take(2) == 1  # a shorter route spreads over its own number of microbatches
+    assert microbatches.take(0) == 0  # no daemon count: one microbatch
+    for microbatch, n in list(microbatches.used.items()):
+        for _ in range(n):
+            microbatches.give(microbatch)
+    assert microbatches.used == {}

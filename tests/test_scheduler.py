@@ -93,14 +93,39 @@ def test_cancel_and_withdraw_drop_waiting_work_only():
     assert not s.has_work() and s.waiting() == 0
 
 
+def test_a_pass_takes_one_microbatch_the_one_that_waited_longest():
+    s = Scheduler()
+    for k in range(6):  # sessions 0, 2, 4 in microbatch 1 (session 1's step came first), 1, 3, 5 in microbatch 0
+        s.submit(k, 1, True, "step", microbatch=(k + 1) % 2)
+    first = s.schedule()
+    assert sorted(w.key for w in first) == [0, 2, 4]
+    second = s.schedule()  # the other microbatch runs while the first one's pass is out
+    assert sorted(w.key for w in second) == [1, 3, 5]
+    s.submit(1, 1, True, "again", microbatch=0)  # session 1's next step waits behind its running one
+    run(s, first)
+    s.submit(0, 1, True, "again", microbatch=1)
+    assert [w.key for w in s.schedule()] == [0]  # microbatch 0's session 1 is still running
+    run(s, second)
+    assert [w.key for w in s.schedule()] == [1]
+    assert s.stats.largest == 3
+
+
+def test_prefill_of_another_microbatch_waits_for_its_own_pass():
+    s = Scheduler()
+    s.submit("a", 1, True, "decode", microbatch=0)
+    s.submit("b", 100, False, "prefill", microbatch=1)
+    assert [w.key for w in s.schedule()] == ["a"]
+    assert [w.key for w in s.schedule()] == ["b"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.booleans(), st.integers(1, 200)), min_size=1, max_size=60),
-       st.integers(1, 8), st.integers(1, 300))
-def test_every_piece_runs_once_in_session_order(arrivals, max_batch, budget):
+       st.integers(1, 8), st.integers(1, 300), st.integers(1, 3))
+def test_every_piece_runs_once_in_session_order(arrivals, max_batch, budget, microbatches):
     s = Scheduler(token_budget=budget, max_batch=max_batch)
     submitted: dict = {}
     for i, (key, decode, rows) in enumerate(arrivals):
-        s.submit(key, 1 if decode else rows, decode, i)
+        s.submit(key, 1 if decode else rows, decode, i, microbatch=key % microbatches)
         submitted.setdefault(key, []).append(i)
     ran: dict = {}
     for _ in range(len(arrivals)):
@@ -109,6 +134,7 @@ def test_every_piece_runs_once_in_session_order(arrivals, max_batch, budget):
             break
         keys = [w.key for w in batch]
         assert len(keys) == len(set(keys)) <= max_batch
+        assert len({w.microbatch for w in batch}) == 1
         prefill_rows = [w.rows for w in batch if not w.decode]
         assert len(prefill_rows) <= 1 or sum(prefill_rows) <= budget
         for w in run(s, batch):

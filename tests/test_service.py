@@ -39,14 +39,15 @@ def service_for(artifact, compute, kv_budget=1 << 26, max_sessions=64, max_queue
     return ShardService(endpoint, compute, Scheduler(max_queued=max_queued))
 
 
-def open_msg(sid: bytes, temperature=0.0, max_length=64) -> OpenSession:
+def open_msg(sid: bytes, temperature=0.0, max_length=64, microbatch=0) -> OpenSession:
     return OpenSession(request_id=1, session_id=sid, epoch=0, start=0, end=6, model_fingerprint="m",
-                       recipe_fingerprint="r", max_length=max_length, temperature=temperature, top_k=20, seed=11)
+                       recipe_fingerprint="r", max_length=max_length, temperature=temperature, top_k=20, seed=11,
+                       microbatch=microbatch)
 
 
-async def session(service, sid: bytes, prompt: list[int], temperature=0.0) -> list[int]:
+async def session(service, sid: bytes, prompt: list[int], temperature=0.0, microbatch=0) -> list[int]:
     """Greedy (or seeded) tokens of one session: open, prefill, STEPS decode steps, close."""
-    (opened,) = await service.handle(open_msg(sid, temperature))
+    (opened,) = await service.handle(open_msg(sid, temperature, microbatch=microbatch))
     assert isinstance(opened, Opened), opened
     (tok,) = await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, prompt))
     tokens = [tok.token_id]
@@ -81,6 +82,39 @@ def test_concurrent_sessions_share_passes_and_get_their_solo_tokens(artifact, co
     assert passes < len(PROMPTS) * (STEPS + 1) / 2, passes
     assert service.scheduler.stats.largest >= 4
     assert len(service.endpoint.shard.kv) == 0 and service.scheduler.queued == 0
+
+
+def test_sessions_in_different_microbatches_never_share_a_pass(artifact, compute):
+    service = service_for(artifact, compute)
+    microbatches_of_passes = []
+    schedule = service.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if batch:
+            microbatches_of_passes.append({w.microbatch for w in batch})
+        return batch
+
+    service.scheduler.schedule = recording
+
+    async def main():
+        solo = [await session(service, bytes([k]) * 16, p) for k, p in enumerate(PROMPTS)]
+        microbatches_of_passes.clear()
+        together = [None] * len(PROMPTS)
+
+        async def one(k):
+            together[k] = await session(service, bytes([100 + k]) * 16, PROMPTS[k], microbatch=k % 3)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(len(PROMPTS)):
+                nursery.start_soon(one, k)
+        return solo, together
+
+    solo, together = trio.run(main)
+    assert together == solo
+    assert all(len(microbatches) == 1 for microbatches in microbatches_of_passes)
+    assert set().union(*microbatches_of_passes) == {0, 1, 2}
+    assert service.scheduler.stats.largest >= 2  # sessions of one microbatch still share passes
 
 
 def test_a_full_queue_answers_busy_at_once(artifact, compute):

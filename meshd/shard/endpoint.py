@@ -26,6 +26,7 @@ TOKENS, HIDDEN = "tokens", "hidden"
 class SessionState:
     sampler: Sampler | None  # set when the session ends at the last layer (it samples)
     head: bool = False  # the session starts at layer 0 (takes token ids)
+    microbatch: int = 0  # the entry's microbatch: only frames of one microbatch share a forward pass
 
 
 MAX_SESSIONS = 64
@@ -111,7 +112,7 @@ class ShardEndpoint:
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
         self.shard.open_session(key, msg.max_length, msg.start, msg.end)
-        self.sessions[key] = SessionState(sampler, head=msg.start == 0)
+        self.sessions[key] = SessionState(sampler, head=msg.start == 0, microbatch=msg.microbatch)
         self.promised[key] = need
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
 

@@ -7,6 +7,13 @@ rows, so a long prompt rides along with everybody's decode instead of stalling i
 chunk always gets in, so prompts progress under any decode load. Past `max_queued` pieces waiting,
 new work is refused at once (`QueueFull`) rather than queued without bound.
 
+Microbatches: every piece belongs to a microbatch (the entry gives each generation one, `OpenSession.microbatch`), and a
+pass takes the work of one microbatch only, the microbatch whose piece has waited longest. Why: on a route of
+several daemons, sessions that share a pass move down the route together; left alone, every group
+that catches up with another at some hop merges with it, until one or two groups go round a
+three-daemon route and each daemon idles while they are elsewhere. Microbatches keep that many groups
+apart, as vLLM keeps one micro-batch in flight per pipeline stage.
+
 The caller's loop, as vLLM's scheduler has it: `batch = schedule()`; run the batch;
 `update_from_output(batch, outputs)` hands each piece its output and frees its session for the
 next pass.
@@ -35,6 +42,7 @@ class Work:
     decode: bool  # one decode step (else a prefill chunk)
     payload: Any = None  # what the caller needs to run and answer it
     seq: int = 0  # arrival order
+    microbatch: int = 0  # only work of one microbatch shares a pass
     output: Any = None
     done: bool = False
 
@@ -65,11 +73,11 @@ class Scheduler:
         self._seq = itertools.count()
         self.queued = 0
 
-    def submit(self, key: Hashable, rows: int, decode: bool, payload: Any = None) -> Work:
+    def submit(self, key: Hashable, rows: int, decode: bool, payload: Any = None, microbatch: int = 0) -> Work:
         if self.queued >= self.max_queued:
             self.stats.refused += 1
             raise QueueFull(f"{self.queued} pieces of work already wait at this shard")
-        work = Work(key, rows, decode, payload, next(self._seq))
+        work = Work(key, rows, decode, payload, next(self._seq), microbatch=microbatch)
         self._queues.setdefault(key, deque()).append(work)
         self.queued += 1
         return work
@@ -78,9 +86,13 @@ class Scheduler:
         return any(q and key not in self._running for key, q in self._queues.items())
 
     def schedule(self) -> list[Work]:
-        """The next pass: decode steps first, then prefill chunks under the token budget."""
+        """The next pass, from the microbatch that has waited longest: its decode steps first, then its
+        prefill chunks under the token budget."""
         heads = sorted((q[0] for key, q in self._queues.items() if q and key not in self._running),
                        key=lambda w: w.seq)
+        if heads:
+            microbatch = heads[0].microbatch
+            heads = [w for w in heads if w.microbatch == microbatch]
         batch = [w for w in heads if w.decode][:self.max_batch]
         budget = self.token_budget
         prefilling = False

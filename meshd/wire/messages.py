@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Optional
 from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 3  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size
+PROTOCOL_VERSION = 4  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
+# 4: OpenSession.microbatch
 
 
 class MsgType(enum.IntEnum):
@@ -147,6 +148,8 @@ class OpenSession(Message):
     # empty: back to the sender (the entry relays them)
     next_peer: str = ""
     next_addrs: str = ""
+    # only frames of sessions in the same microbatch share a forward pass (see meshd/shard/scheduler.py)
+    microbatch: int = 0
 
 
 @message(MsgType.OPENED)
