@@ -116,9 +116,11 @@ def load_line(st: dict) -> str:
     """Batching and admission at a glance: queue, batch sizes, busy refusals."""
     b = st.get("batches") or {}
     mean = b.get("mean_batch")
+    groups = st.get("microbatches") or []
+    spread = f", generations per microbatch {'/'.join(map(str, groups))}" if groups else ""
     return (f"load      {st.get('queue', 0)} frames queued, batches of {mean if mean is not None else '-'}"
             f" on average (largest {b.get('largest_batch', 0)}, {b.get('passes', 0)} passes),"
-            f" {st.get('busy_refusals', 0)} refused busy, limit {st.get('max_sessions', '-')} sessions")
+            f" {st.get('busy_refusals', 0)} refused busy, limit {st.get('max_sessions', '-')} sessions{spread}")
 
 
 def reach_line(reach: dict | None) -> str:

@@ -70,6 +70,7 @@ def test_eight_concurrent_generations_equal_their_solo_text(mesh):
         assert text == solo[prompt], prompt
     # the hops really batched: some pass carried several sessions at once
     assert max(d.status()["batches"]["largest_batch"] for d in mesh.daemons) >= 2
+    assert a.status()["microbatches"] == []  # every generation gave its microbatch back
     no_kv_anywhere(mesh)
 
 
@@ -100,6 +101,7 @@ def test_a_full_mesh_answers_busy_and_stays_up():
         long = [start(["--socket", str(a.socket)], PROMPTS[0], 2000) for _ in range(3)]
         try:
             a.wait_for(lambda s: s["sessions"] == 3, timeout=60, what="three sessions held")
+            assert sorted(a.status()["microbatches"]) == [1, 2]  # spread over two microbatches (the default)
             r = httpx.post(a.status()["http"][0] + "/v1/completions", timeout=30,
                            json={"prompt": "Hi", "max_tokens": 4})
             assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text

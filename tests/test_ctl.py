@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from meshd.ctl import load_line
+
 
 def test_meshctl_imports_no_event_loop_no_libp2p_no_torch():
     code = ("import sys, meshd.ctl; heavy = [m for m in ('trio', 'libp2p', 'torch', 'transformers') if m in sys.modules];"
@@ -15,3 +17,12 @@ def test_meshctl_without_a_daemon_exits_3_quickly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(tmp_path / "none.sock"), "status"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 3 and "no daemon socket" in out.stderr
+
+
+def test_the_load_line_shows_an_entrys_generations_per_microbatch():
+    st = {"queue": 3, "batches": {"mean_batch": 2.5, "largest_batch": 4, "passes": 10}, "busy_refusals": 1,
+          "max_sessions": 64, "microbatches": [4, 3]}
+    line = load_line(st)
+    assert line.startswith("load      3 frames queued, batches of 2.5 on average (largest 4, 10 passes)")
+    assert line.endswith("1 refused busy, limit 64 sessions, generations per microbatch 4/3")
+    assert load_line({**st, "microbatches": []}).endswith("limit 64 sessions")
