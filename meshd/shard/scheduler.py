@@ -7,11 +7,11 @@ rows, so a long prompt rides along with everybody's decode instead of stalling i
 chunk always gets in, so prompts progress under any decode load. Past `max_queued` pieces waiting,
 new work is refused at once (`QueueFull`) rather than queued without bound.
 
-Microbatches: every piece belongs to a microbatch (the entry gives each generation one, `OpenSession.microbatch`), and a
-pass takes the work of one microbatch only, the microbatch whose piece has waited longest. Why: on a route of
-several daemons, sessions that share a pass move down the route together; left alone, every group
-that catches up with another at some hop merges with it, until one or two groups go round a
-three-daemon route and each daemon idles while they are elsewhere. Microbatches keep that many groups
+Microbatches: every piece belongs to a microbatch (the entry gives each generation one,
+`OpenSession.microbatch`), and a pass takes the work of one microbatch only, the one whose piece has
+waited longest. Why: sessions that share a pass move down the route together, and left alone every
+group that catches up with another at some hop merges with it, until one or two groups go round a
+three-daemon route and each daemon idles while they are elsewhere. Microbatches keep the groups
 apart, as vLLM keeps one micro-batch in flight per pipeline stage.
 
 The caller's loop, as vLLM's scheduler has it: `batch = schedule()`; run the batch;
