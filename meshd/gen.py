@@ -215,15 +215,14 @@ class Entry:
                     if progress.first_token_at is None:
                         progress.first_token_at = time.perf_counter()
                     progress.tokens.append(token)
-                    piece = text.push(token)
-                    if piece:  # the first text also says how long the prompt was (for usage counts)
-                        first = {"prompt_tokens": len(ids)} if not progress.emitted else {}
-                        progress.emitted = True
-                        await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token,
-                                               stats=first))
                     if token in eos or len(progress.tokens) >= max_tokens:
+                        await self._emit(req, ids, progress, text, token, emit)
                         break
-                    token = await at.step(len(progress.tokens), Phase.DECODE, position, [token])
+                    # the next step is under way (submitted to this daemon's pass) before the client
+                    # is sent this token's text: writing to the client no longer delays every pass here
+                    async with trio.open_nursery() as overlap:
+                        overlap.start_soon(self._emit, req, ids, progress, text, token, emit)
+                        token = await at.step(len(progress.tokens), Phase.DECODE, position, [token])
                     position += 1
                 nursery.cancel_scope.cancel()
         finally:
@@ -237,6 +236,18 @@ class Entry:
                         except ChannelClosed:
                             pass
                         await channel.aclose()
+
+    @staticmethod
+    async def _emit(req, ids, progress: Progress, text, token: int, emit) -> None:
+        """Send a generated token's text to the client. Not cancelled half-way by a hop failing
+        meanwhile: the token counts as generated, and a reroute does not send its text again."""
+        piece = text.push(token)
+        if piece:  # the first text also says how long the prompt was (for usage counts)
+            first = {"prompt_tokens": len(ids)} if not progress.emitted else {}
+            progress.emitted = True
+            with trio.CancelScope(shield=True):
+                await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token,
+                                       stats=first))
 
     async def _open_local(self, sid, epoch, req, ids, max_tokens, microbatch=0) -> None:
         d = self.daemon
