@@ -9,7 +9,8 @@ the hops' compute per step, per transfer. On a box with a core or more per daemo
 each daemon on its own cores; `--cpu-share` caps each daemon at a share of the box's cores (its own
 cpu cgroup), standing in for one small machine per daemon.
 Usage: python bench/batch_bench.py [--tokens 64] [--sessions 1,4,8,16] [--modes forward,relay]
-       [--splits "0:10,10:20,20:30;0:13,13:26,26:30"] [--microbatches 1,2] [--pin "0-3;4-7;8-11"] [--cpu-share 0.6]
+       [--splits "0:10,10:20,20:30;0:13,13:26,26:30"] [--microbatches 1,2] [--pin "0-3;4-7;8-11"]
+       [--cpu-share 0.6]
 Prints a table, then one JSON object on the last line.
 """
 
@@ -107,10 +108,10 @@ def cpu_s(daemons) -> float:
     return total / ticks
 
 
-def compute_per_pass(daemons) -> list[tuple[float, int, float]]:
-    """Per daemon: seconds its passes took as the event loop saw them (handing the pass to the compute
-    thread and getting its result back included), passes, and seconds its compute thread ran."""
-    return [(s["compute_s"], s["steps"], s["compute_busy_s"]) for s in (fetch_status(d.socket) for d in daemons)]
+def snapshot(daemons) -> list[dict]:
+    """Each daemon's status: `compute_s` (its passes as the event loop saw them, the hand-offs to the
+    compute thread included), `compute_busy_s` (its compute thread's time), `steps` (passes), `batches`."""
+    return [fetch_status(d.socket) for d in daemons]
 
 
 def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, gather_ms: float = 0.0,
@@ -138,11 +139,12 @@ def measure(daemons, levels: list[int], tokens: int, forwarding: bool) -> dict:
     run_level(entry, 1, 8)  # warm up
     out = {"levels": []}
     # the mesh's own cost per token: a solo run's step time minus what the hops computed
-    before = compute_per_pass(daemons)
+    before = snapshot(daemons)
     solo = run_level(entry, 1, tokens)
-    after = compute_per_pass(daemons)
-    per_pass = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before)]
-    per_pass_thread = [(a[2] - b[2]) / max(1, a[1] - b[1]) for a, b in zip(after, before)]
+    after = snapshot(daemons)
+    passes = [max(1, a["steps"] - b["steps"]) for a, b in zip(after, before)]
+    per_pass = [(a["compute_s"] - b["compute_s"]) / n for a, b, n in zip(after, before, passes)]
+    per_pass_thread = [(a["compute_busy_s"] - b["compute_busy_s"]) / n for a, b, n in zip(after, before, passes)]
     step = solo["p50_ms"] / 1000
     out["solo_step_ms"] = 1000 * step
     out["hop_compute_ms"] = [1000 * p for p in per_pass]
@@ -153,17 +155,17 @@ def measure(daemons, levels: list[int], tokens: int, forwarding: bool) -> dict:
     # the same, counting the hand-offs between a daemon's event loop and its compute thread as mesh
     out["overhead_per_transfer_thread_ms"] = 1000 * (step - sum(per_pass_thread)) / transfers
     for n in levels:
-        before = [fetch_status(d.socket)["batches"] for d in daemons]
-        busy0 = compute_per_pass(daemons)
+        before = snapshot(daemons)
         cpu0, own0 = cpu_s(daemons), time.process_time()
         level = run_level(entry, n, tokens)
-        # how much of the run each daemon's compute thread was busy with passes
-        level["compute_busy"] = [round((a[0] - b[0]) / level["wall_s"], 2)
-                                 for a, b in zip(compute_per_pass(daemons), busy0)]
         level["cpu_ms_per_token"] = 1000 * (cpu_s(daemons) - cpu0) / (n * tokens)
         level["client_cpu_ms_per_token"] = 1000 * (time.process_time() - own0) / (n * tokens)
-        after = [fetch_status(d.socket)["batches"] for d in daemons]
-        level["mean_batch"] = [round((a["rows"] - b["rows"]) / max(1, a["passes"] - b["passes"]), 2)
+        after = snapshot(daemons)
+        # how much of the run each daemon's compute thread was busy with passes
+        level["compute_busy"] = [round((a["compute_s"] - b["compute_s"]) / level["wall_s"], 2)
+                                 for a, b in zip(after, before)]
+        level["mean_batch"] = [round((a["batches"]["rows"] - b["batches"]["rows"])
+                                     / max(1, a["batches"]["passes"] - b["batches"]["passes"]), 2)
                                for a, b in zip(after, before)]
         out["levels"].append(level)
     return out

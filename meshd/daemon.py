@@ -500,10 +500,7 @@ class Daemon:
             "busy_refusals": (self.service.endpoint.refused + self.service.scheduler.stats.refused
                               if self.service else 0),
             "max_sessions": self.settings.max_sessions,
-            # an entry's generations per microbatch (see meshd/gen.py Microbatches)
-            "microbatches": ([self.entry.microbatch_use.used.get(i, 0)
-                              for i in range(max(self.entry.microbatch_use.used, default=-1) + 1)]
-                             if self.entry else []),
+            "microbatches": self.entry.microbatch_use.counts() if self.entry else [],
             "compute_busy_s": round(self.compute.busy_s, 3),
             "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
                        "relay": r.relay, "relay_addrs": list(r.relay_addrs),

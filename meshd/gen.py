@@ -4,10 +4,12 @@ Rules: the entry runs its own layers [0, k) and holds one long-lived stream per 
 sessions, pings and errors). Hidden states go from hop to hop: each hop is told the next one and
 sends its output there, and the tail's token comes back to the entry, one transfer a hop a token.
 A hop that cannot reach its next hop sends its output back instead, and the entry passes it on.
-Prefill chunks overlap across stages. Every wait has a deadline. A hop that fails makes the entry plan a new route (new
-epoch) without that peer and replay the prompt and the tokens so far: the client sees a pause,
-not an error, while the mesh still covers the model. Close, cancel or a vanished client release
-the KV on every hop.
+Prefill chunks overlap across stages. Generations are spread over microbatches (`Microbatches`)
+that hops never mix in a pass, and a token's text goes to the client while its next step already
+runs. Every wait has a deadline. A hop that fails makes the entry plan a new route (new epoch)
+without that peer and replay the prompt and the tokens so far: the client sees a pause, not an
+error, while the mesh still covers the model. Close, cancel or a vanished client release the KV on
+every hop.
 """
 
 from __future__ import annotations
@@ -302,6 +304,10 @@ class Microbatches:
         self.used[microbatch] -= 1
         if not self.used[microbatch]:
             del self.used[microbatch]
+
+    def counts(self) -> list[int]:
+        """Generations in microbatch 0, 1, ... up to the highest in use ([] when none runs)."""
+        return [self.used.get(i, 0) for i in range(max(self.used, default=-1) + 1)]
 
 
 class LinkErrors:

@@ -102,16 +102,12 @@ class ShardService:
         return [replace(replies[0], forwarding=links.next is not None)]
 
     async def deliver(self, msg: Message, reply: Message, channel: Channel) -> None:
-        """Send a reply to where its session's outputs go: hidden states to the next hop (when this
-        hop forwards), tokens and errors to the session's home stream; replies for frames of no
-        linked session go back on the stream they came from."""
+        """Send a reply to its session's home stream (tokens, errors, and hidden states when this hop
+        does not forward: those for a next hop left with their pass, see `_queue_forwards`); replies
+        for frames of no linked session go back on the stream they came from."""
         links = self.links.get((getattr(msg, "session_id", b""), getattr(msg, "epoch", -1)))
         if links is None:
             await channel.send(reply)
-            return
-        if isinstance(reply, Forward) and links.next is not None:
-            links.next.put(reply)
-            await self._flush({links.next})
             return
         try:
             await links.home.send(reply)

@@ -192,6 +192,10 @@ def test_new_generations_take_the_least_used_microbatch():
     assert microbatches.take(3) == 1  # emptied: the next one goes there
     assert microbatches.take(2) == 1  # a shorter route spreads over its own number of microbatches
     assert microbatches.take(0) == 0  # no daemon count: one microbatch
+    assert microbatches.counts() == [4, 2, 2]
+    microbatches.give(1)
+    microbatches.give(1)
+    assert microbatches.counts() == [4, 0, 2]  # an emptied one in the middle shows as 0
     for microbatch, n in list(microbatches.used.items()):
         for _ in range(n):
             microbatches.give(microbatch)
