@@ -96,7 +96,10 @@ def test_a_move_lets_the_running_generation_finish_on_the_old_range():
         assert running.returncode == 0, err
         assert first + rest == solo.stdout
         assert drain.wait(60) == 0  # c drained once the generation was done
-        freed = m.wait_for(lambda s: s["sessions"] == 0, timeout=30, what="old shard freed")
+        # status counts the new shard's sessions; the old one is freed when the rebalancer next looks
+        # (every 0.2 s) and says so in the log
+        freed = m.wait_for(lambda s: s["sessions"] == 0 and '"old range freed"' in m.log_path.read_text(),
+                           timeout=30, what="old shard freed")
         assert freed["coverage"] == [1] * 30
         assert '"left_sessions": 0' in next(line for line in m.log_path.read_text().splitlines()
                                             if '"old range freed"' in line)
