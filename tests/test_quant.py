@@ -83,7 +83,8 @@ def test_parts_of_mixed_types_run_as_one_weight():
                                            dequantize(v.data, QT.Q8_0).reshape(16, 256)]))
     x = torch.randn(2, 256)
     assert w.shape == (48, 256)
-    assert torch.allclose(w.mm(x), x @ ref.T, atol=1e-3)
+    expected = x @ ref.T  # the Q8_0 part may run on 8-bit activations (blocks.py): ~0.5% of the range
+    assert float((w.mm(x) - expected).abs().max()) <= 1e-2 * float(expected.abs().max())
 
 
 def test_quantized_embedding_rows_are_dequantized_on_lookup():

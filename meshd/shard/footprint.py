@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshd.shard import quant
+from meshd.shard import blocks, quant
 
 STAGING_BYTES_PER_CODE = 6
 
@@ -37,7 +37,7 @@ def _tensor_bytes(artifact, name: str, recipe, role: str) -> int:
         qtype, shape = artifact.tensor_qtype(name), artifact.tensor_shape(name)
         if qtype in quant.STORED_FLOATS:  # a float table is widened to float32 for lookups
             return 4 * n if role == "table" else artifact.stored_bytes(name)
-        if role == "table":  # a quantized table stays as its GGUF rows
+        if role == "table" or blocks.available(qtype):  # kept as its GGUF blocks
             return artifact.stored_bytes(name)
         return quant.native_bytes(qtype, shape, recipe.torch_matmul.itemsize)
     return 4 * n if role == "table" else artifact.stored_bytes(name)

@@ -2,7 +2,8 @@
 
 Rules: `exact` keeps float32 weights and calls `F.linear`. `compact` keeps int8 weights with one
 scale per output row and calls torch's int8-weight matmul. `native` keeps each GGUF tensor at its
-stored bit width (`quant.Int4Weight` for quantized blocks, the stored float dtype otherwise). A
+stored bit width (`blocks.BlockWeight`, the file's own bytes, for the block types meshd's C kernel
+runs; `quant.Int4Weight` for the other quantized types; the stored float dtype otherwise). A
 weight casts the activations to the dtype its kernel takes; its output stays in that dtype, and
 adding it to a float32 residual stream promotes it back.
 """
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshd.shard import quant
+from meshd.shard import blocks, quant
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ConcatWeight:
         return torch.cat([o.to(dtype) for o in outs], dim=-1)
 
 
-Weight = torch.Tensor | Int8Weight | quant.Int4Weight | ConcatWeight
+Weight = torch.Tensor | Int8Weight | blocks.BlockWeight | quant.Int4Weight | ConcatWeight
 
 
 def weight_tensors(w) -> list[torch.Tensor]:
@@ -95,6 +96,8 @@ def _native_one(group: list, act_dtype: torch.dtype) -> Weight:
         return torch.from_numpy(data.view(quant.FLOAT_TYPES[qtype]).reshape(raw.shape).copy())
     if qtype == quant.QT.BF16:
         return torch.from_numpy(data.view(np.int16).reshape(raw.shape).copy()).view(torch.bfloat16)
+    if blocks.available(qtype):
+        return blocks.BlockWeight.from_raw(qtype, data, cols)
     return quant.pack(raw, act_dtype)
 
 

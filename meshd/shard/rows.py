@@ -4,8 +4,9 @@ Rules: the linear layers see all rows at once, where their kernel gives every ro
 whatever the row count; attention, RoPE and the KV cache run per session, each at its own position.
 So a session's output in a batch is bit for bit its output alone. torch's float32 and bfloat16
 `F.linear` do not qualify: sgemm picks its kernel by row count (1 row: gemv; 2-4 and 5+ rows: two
-gemm paths; each rounds differently, measured), so float weights run per session. The int4 kernel
-of the native lane is row-invariant (checked for any row count), so quantized shards batch for real.
+gemm paths; each rounds differently, measured), so float weights run per session. The native lane's
+kernels (GGUF blocks, torch's int4) are row-invariant (checked for any row count), so quantized shards
+batch for real.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from meshd.shard import quant
+from meshd.shard import blocks, quant
 from meshd.shard.linear import ConcatWeight, Weight, linear
 
 
@@ -31,7 +32,7 @@ def row_invariant(w: Weight) -> bool:
     """Whether running w over many rows gives each row the bits it gets alone."""
     if isinstance(w, ConcatWeight):
         return all(row_invariant(p) for p in w.parts)
-    return isinstance(w, quant.Int4Weight)
+    return isinstance(w, (blocks.BlockWeight, quant.Int4Weight))
 
 
 class Rows:

@@ -1,0 +1,463 @@
+/* GGUF block matmuls for the native lane: y[M, N] = x[M, K] @ W[N, K].T, W kept as the GGUF's own
+ * Q4_0, Q4_1 or Q8_0 blocks and x quantized to 8 bits per 32-wide block (the trick llama.cpp's ggml
+ * uses: integer dot products of a weight block with an activation block, one float scale each).
+ *
+ * Rules this file keeps:
+ * - Every output is summed in one fixed order, whatever M, the rows' place in the batch, the number of
+ *   threads or the instruction set: per output, eight float lanes accumulate the blocks in K order
+ *   (lane j holds elements 4j..4j+3 of every block: exact integer sums, then one fused multiply-add
+ *   each), then one fixed horizontal sum, then the offset term. The AVX2 path and the portable path
+ *   compute the same bits (tested), so peers on different CPUs agree and a batch equals its rows alone.
+ * - Activations: per row and block of 32, d = max|x| / 127, q = nearbyint(x / d) in [-127, 127],
+ *   s = d * sum(q) (for the weight's per-block offset). Part of the recipe: it changes the numbers.
+ * - Threads split the output features; a pool of workers spins briefly between calls, then sleeps.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, MAX_THREADS = 64, STRIP = 4 };
+
+typedef struct {
+    float d;     /* scale */
+    float s;     /* d * sum(q) */
+    int8_t q[QK];
+} XBlock;
+
+/* ---- halves, exactly ---- */
+
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { e++; mant <<= 1; } while (!(mant & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static int block_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* A weight block's scale a and offset b (w = a * u + b for 4-bit u in 0..15; b = 0 for Q8_0). */
+static inline void block_scales(int qtype, const uint8_t *blk, float *a, float *b) {
+    uint16_t d, m;
+    memcpy(&d, blk, 2);
+    *a = f16_to_f32(d);
+    if (qtype == Q4_1) {
+        memcpy(&m, blk + 2, 2);
+        *b = f16_to_f32(m);
+    } else if (qtype == Q4_0) {
+        *b = -8.0f * *a;
+    } else {
+        *b = 0.0f;
+    }
+}
+
+/* ---- activations ---- */
+
+static void quantize_rows(const float *x, int64_t m, int64_t k, XBlock *out) {
+    int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QK;
+            XBlock *o = out + r * nb + b;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) {
+                int q = (int)nearbyintf(v[i] * id);
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                o->q[i] = (int8_t)q;
+                sum += q;
+            }
+            o->d = d;
+            o->s = d * (float)sum;
+        }
+    }
+}
+
+/* The fixed horizontal sum of eight lanes, shared by both paths. */
+static inline float lanes_sum(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* ---- portable path ---- */
+
+static inline void unpack_codes(int qtype, const uint8_t *blk, int8_t *u) {
+    if (qtype == Q8_0) {
+        memcpy(u, blk + 2, QK);
+        return;
+    }
+    const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+    for (int i = 0; i < 16; i++) {
+        u[i] = (int8_t)(qs[i] & 0x0f);
+        u[i + 16] = (int8_t)(qs[i] >> 4);
+    }
+}
+
+static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                          const XBlock *xq, int64_t m, int64_t nb, float *y) {
+    int bb = block_bytes(qtype);
+    int8_t u[QK];
+    for (int64_t col = n0; col < n1; col++) {
+        const uint8_t *wr = w + col * row_bytes;
+        for (int64_t r = 0; r < m; r++) {
+            const XBlock *xr = xq + r * nb;
+            float lane[8] = {0}, off = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                float a, c;
+                block_scales(qtype, wr + b * bb, &a, &c);
+                unpack_codes(qtype, wr + b * bb, u);
+                float scale = a * xr[b].d;
+                for (int j = 0; j < 8; j++) {
+                    int32_t s = 0;
+                    for (int t = 0; t < 4; t++) s += (int32_t)u[4 * j + t] * (int32_t)xr[b].q[4 * j + t];
+                    lane[j] = fmaf(scale, (float)s, lane[j]);
+                }
+                off = fmaf(c, xr[b].s, off);
+            }
+            y[r * n + col] = lanes_sum(lane) + off;
+        }
+    }
+}
+
+/* ---- AVX2 path: the same sums, eight lanes at a time ---- */
+
+#if HAVE_X86
+__attribute__((target("avx2,fma,f16c"))) static inline __m256i codes_avx2(int qtype, const uint8_t *blk) {
+    if (qtype == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2)));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* Eight int32 lanes: lane j = sum over elements 4j..4j+3 of u * q. Unsigned 4-bit codes go straight
+ * into maddubs; signed 8-bit codes go as |u| with q carrying u's sign. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256i dot_avx2(int signed8, __m256i u, __m256i q) {
+    __m256i p;
+    if (signed8) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+    else p = _mm256_maddubs_epi16(u, q);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* A block's scale and offset as block_scales gives them, with the F16C conversion (exact too). */
+__attribute__((target("avx2,fma,f16c"))) static inline void scales_f16c(int qtype, const uint8_t *blk, float *a,
+                                                                          float *b) {
+    uint16_t d, m;
+    memcpy(&d, blk, 2);
+    *a = _cvtsh_ss(d);
+    if (qtype == Q4_1) {
+        memcpy(&m, blk + 2, 2);
+        *b = _cvtsh_ss(m);
+    } else {
+        *b = qtype == Q4_0 ? -8.0f * *a : 0.0f;
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static inline void finish_avx2(const __m256 *acc, const float *off,
+                                                                          int rows, float *out) {
+    for (int i = 0; i < rows; i++) {
+        float lane[8];
+        _mm256_storeu_ps(lane, acc[i]);
+        out[i] = lanes_sum(lane) + off[i];
+    }
+}
+
+/* Few x rows (decode): each weight block is decoded where it is met, STRIP rows side by side. */
+__attribute__((target("avx2,fma,f16c"))) static void rows_avx2_direct(int qtype, const uint8_t *w,
+                                                                        int64_t row_bytes, int64_t n0, int64_t n1,
+                                                                        int64_t n, const XBlock *xq, int64_t m,
+                                                                        int64_t nb, float *y) {
+    int bb = block_bytes(qtype), signed8 = qtype == Q8_0;
+    for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
+        int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        for (int64_t r = 0; r < m; r++) {
+            const XBlock *xr = xq + r * nb;
+            __m256 acc[STRIP];
+            float off[STRIP];
+            for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
+            for (int64_t b = 0; b < nb; b++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
+                float xd = xr[b].d, xs = xr[b].s;
+                for (int i = 0; i < rows; i++) {
+                    const uint8_t *blk = w + (c0 + i) * row_bytes + b * bb;
+                    float a, c;
+                    scales_f16c(qtype, blk, &a, &c);
+                    __m256 s = _mm256_cvtepi32_ps(dot_avx2(signed8, codes_avx2(qtype, blk), q));
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a * xd), s, acc[i]);
+                    off[i] = fmaf(c, xs, off[i]);
+                }
+            }
+            finish_avx2(acc, off, rows, y + r * n + c0);
+        }
+    }
+}
+
+/* Many x rows (prefill, batches): a strip of STRIP weight rows is decoded once (codes and scales),
+ * then met by every x row. */
+__attribute__((target("avx2,fma,f16c"))) static void rows_avx2_strips(int qtype, const uint8_t *w,
+                                                                        int64_t row_bytes, int64_t n0, int64_t n1,
+                                                                        int64_t n, const XBlock *xq, int64_t m,
+                                                                        int64_t nb, float *y) {
+    int bb = block_bytes(qtype), signed8 = qtype == Q8_0;
+    __m256i *codes = aligned_alloc(32, (size_t)STRIP * nb * sizeof(__m256i));
+    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
+        int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *wr = w + (c0 + i) * row_bytes;
+            for (int64_t b = 0; b < nb; b++) {
+                codes[b * STRIP + i] = codes_avx2(qtype, wr + b * bb);
+                scales_f16c(qtype, wr + b * bb, &sa[b * STRIP + i], &sb[b * STRIP + i]);
+            }
+        }
+        for (int64_t r = 0; r < m; r++) {
+            const XBlock *xr = xq + r * nb;
+            __m256 acc[STRIP];
+            float off[STRIP];
+            for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
+            for (int64_t b = 0; b < nb; b++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
+                float xd = xr[b].d, xs = xr[b].s;
+                for (int i = 0; i < rows; i++) {
+                    __m256 s = _mm256_cvtepi32_ps(dot_avx2(signed8, codes[b * STRIP + i], q));
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sa[b * STRIP + i] * xd), s, acc[i]);
+                    off[i] = fmaf(sb[b * STRIP + i], xs, off[i]);
+                }
+            }
+            finish_avx2(acc, off, rows, y + r * n + c0);
+        }
+    }
+    free(codes);
+    free(sa);
+    free(sb);
+}
+
+static void rows_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                      const XBlock *xq, int64_t m, int64_t nb, float *y) {
+    if (m < STRIP) rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y);
+    else rows_avx2_strips(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y);
+}
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+static int cpu_has_avx2(void) { return 0; }
+#endif
+
+/* ---- the pool ---- */
+
+typedef struct {
+    int qtype, isa_avx2, parts;
+    const uint8_t *w;
+    int64_t row_bytes, n, m, nb;
+    const XBlock *xq;
+    float *y;
+} Job;
+
+static Job job;
+static atomic_uint job_gen;        /* bumped for every job */
+static atomic_int job_left;        /* parts not finished */
+static atomic_int sleepers;
+static int pool_size = 0;          /* workers started (the caller is one more) */
+static int use_avx2 = -1;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+static const double SPIN_S = 200e-6; /* how long an idle worker spins before it sleeps */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static inline void cpu_relax(void) {
+#if HAVE_X86
+    _mm_pause();
+#endif
+}
+
+static void run_part(int part) {
+    /* split into whole strips so every thread's share starts on a strip boundary */
+    int64_t strips = (job.n + STRIP - 1) / STRIP;
+    int64_t s0 = strips * part / job.parts, s1 = strips * (part + 1) / job.parts;
+    int64_t n0 = s0 * STRIP, n1 = s1 * STRIP < job.n ? s1 * STRIP : job.n;
+    if (n0 >= n1) return;
+#if HAVE_X86
+    if (job.isa_avx2) {
+        rows_avx2(job.qtype, job.w, job.row_bytes, n0, n1, job.n, job.xq, job.m, job.nb, job.y);
+        return;
+    }
+#endif
+    rows_portable(job.qtype, job.w, job.row_bytes, n0, n1, job.n, job.xq, job.m, job.nb, job.y);
+}
+
+typedef struct {
+    int part;
+    unsigned seen; /* the job count when it was started: a job posted before it runs is still its */
+} WorkerStart;
+
+static void *worker(void *arg) {
+    WorkerStart start = *(WorkerStart *)arg;
+    free(arg);
+    int part = start.part;
+    unsigned seen = start.seen;
+    for (;;) {
+        unsigned gen;
+        double until = now_s() + SPIN_S;
+        int spins = 0;
+        while ((gen = atomic_load_explicit(&job_gen, memory_order_acquire)) == seen) {
+            cpu_relax();
+            if (++spins % 256 == 0 && now_s() > until) {
+                atomic_fetch_add(&sleepers, 1);
+                if (atomic_load(&job_gen) == seen) syscall(SYS_futex, &job_gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&sleepers, 1);
+                until = now_s() + SPIN_S;
+            }
+        }
+        seen = gen;
+        if (part < job.parts) run_part(part);
+        atomic_fetch_sub_explicit(&job_left, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* a forked child has none of its parent's workers */
+static void forget_pool(void) {
+    pool_size = 0;
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&pool_lock, NULL);
+}
+
+static int ensure_pool(int threads) {
+    static int hooked = 0;
+    if (!hooked) {
+        pthread_atfork(NULL, NULL, forget_pool);
+        hooked = 1;
+    }
+    int want = threads - 1;
+    if (want > MAX_THREADS - 1) want = MAX_THREADS - 1;
+    pthread_mutex_lock(&pool_lock);
+    while (pool_size < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        WorkerStart *start = malloc(sizeof *start);
+        if (!start) break;
+        *start = (WorkerStart){pool_size + 1, atomic_load(&job_gen)};
+        int rc = pthread_create(&t, &attr, worker, start);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            free(start);
+            break;
+        }
+        pool_size++;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return (pool_size + 1 < threads ? pool_size + 1 : threads);
+}
+
+static void run_job(const Job *j, int threads) {
+    pthread_mutex_lock(&call_lock); /* one job at a time: the pool has one job slot */
+    job = *j;
+    threads = threads > 1 ? ensure_pool(threads) : 1;
+    job.parts = threads;
+    if (threads == 1) {
+        run_part(0);
+        pthread_mutex_unlock(&call_lock);
+        return;
+    }
+    /* every worker takes part in every job (those past job.parts just report back) */
+    atomic_store(&job_left, pool_size);
+    atomic_fetch_add_explicit(&job_gen, 1, memory_order_release);
+    if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &job_gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    run_part(0);
+    while (atomic_load_explicit(&job_left, memory_order_acquire) > 0) cpu_relax();
+    pthread_mutex_unlock(&call_lock);
+}
+
+/* ---- Python ---- */
+
+/* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, threads, portable) */
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "matmul takes 10 arguments");
+        return NULL;
+    }
+    long long v[10];
+    for (int i = 0; i < 10; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    int qtype = (int)v[0], threads = (int)v[8], portable = (int)v[9];
+    int64_t row_bytes = v[2], n = v[3], k = v[4], m = v[6];
+    if (block_bytes(qtype) == 0 || k % QK || row_bytes != k / QK * block_bytes(qtype) || n < 0 || m < 0) {
+        PyErr_SetString(PyExc_ValueError, "matmul: unsupported block type or inconsistent sizes");
+        return NULL;
+    }
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    XBlock *xq = malloc((size_t)(m * (k / QK) + 1) * sizeof(XBlock));
+    if (!xq) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    quantize_rows((const float *)(intptr_t)v[5], m, k, xq);
+    Job j = {qtype, use_avx2 && !portable, 1, (const uint8_t *)(intptr_t)v[1], row_bytes, n, m, k / QK, xq,
+             (float *)(intptr_t)v[7]};
+    run_job(&j, threads < 1 ? 1 : threads);
+    Py_END_ALLOW_THREADS
+    free(xq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "y = x @ W.T over GGUF blocks"},
+    {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_blocks", "GGUF block matmuls", -1, methods};
+
+PyMODINIT_FUNC PyInit__blocks(void) { return PyModule_Create(&module); }

@@ -1,0 +1,92 @@
+"""The GGUF block kernel (meshd/shard/_blocks.c): sums exactly as its rule says, whatever the batch,
+the threads or the CPU path; checked against gguf's own dequantized blocks."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from meshd.shard import blocks
+
+pytestmark = pytest.mark.skipif(blocks.KERNEL is None, reason="the C extension did not build here")
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+
+
+def weight(qt: QT, rows: int, cols: int, seed: int = 0) -> tuple[blocks.BlockWeight, np.ndarray]:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(w, qt)
+    return blocks.BlockWeight.from_raw(qt, raw, cols), dequantize(raw, qt).reshape(rows, cols).astype(np.float64)
+
+
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """The kernel's activations as numbers: per row and 32-block, d = max|x| / 127, q = round(x / d)."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(g).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
+    q = np.clip(np.rint(g * inv), -127, 127)
+    return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_products_equal_the_dequantized_blocks_times_the_quantized_activations(qt, m):
+    w, ref = weight(qt, 70, 256)  # 70 rows: a last strip of two, and unequal thread shares
+    x = torch.randn(m, 256) * 3
+    y = w.mm(x).double().numpy()
+    expected = quantized_activations(x.numpy()) @ ref.T
+    # only float32 rounding is left once the activations are quantized as the rule says
+    assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max(), np.abs(y - expected).max()
+    # and the quantization itself costs about half a step of 8 bits
+    exact = x.double().numpy() @ ref.T
+    assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_every_row_gets_its_bits_alone_whatever_the_batch_and_threads(qt):
+    w, _ = weight(qt, 1000, 576, seed=1)
+    x = torch.randn(37, 576)
+    alone = torch.cat([w.mm(x[i:i + 1]) for i in range(37)])
+    for threads in (1, 2, 3, 7):
+        blocks.set_threads(threads)
+        try:
+            assert torch.equal(w.mm(x), alone)
+            assert torch.equal(w.mm(x[5:9]), alone[5:9])
+        finally:
+            blocks.set_threads(2)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_the_portable_path_gives_the_bits_of_the_vector_path(qt):
+    if blocks.isa() == "portable":
+        pytest.skip("this CPU runs the portable path only")
+    w, _ = weight(qt, 64, 512, seed=2)
+    portable = blocks.BlockWeight(qt, w.data, w.out_features, w.in_features, portable=True)
+    for m in (1, 5):
+        x = torch.randn(m, 512)
+        assert torch.equal(portable.mm(x), w.mm(x))
+
+
+def test_zero_rows_and_subnormal_scales_are_exact():
+    w, ref = weight(QT.Q4_1, 8, 64, seed=3)
+    data = w.data.numpy().copy()
+    data[:, 0:2] = np.array([1], np.uint16).view(np.uint8)  # the smallest subnormal half as every row's first d
+    w = blocks.BlockWeight(QT.Q4_1, torch.from_numpy(data), 8, 64)
+    ref = dequantize(data, QT.Q4_1).reshape(8, 64).astype(np.float64)
+    x = torch.zeros(2, 64)
+    x[1] = torch.randn(64)
+    y = w.mm(x).double().numpy()
+    assert np.all(y[0] == 0)
+    expected = quantized_activations(x.numpy()) @ ref.T
+    assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert blocks.BlockWeight(QT.Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 4, 32).mm(torch.randn(0, 32)).shape == (0, 4)
+
+
+def test_inconsistent_sizes_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="do not hold rows"):
+        blocks.BlockWeight.from_raw(QT.Q4_1, np.zeros((4, 19), np.uint8), 32)
+    w, _ = weight(QT.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match="matmul of"):
+        w.mm(torch.randn(1, 32))
+    with pytest.raises(ValueError, match="unsupported block type"):
+        blocks.KERNEL.matmul(12, w.data.data_ptr(), 68, 4, 64, 0, 0, 0, 1, 0)
