@@ -52,12 +52,14 @@ def prefill_ids() -> list[int]:
 def worker_meshd(name: str, prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
     import torch
 
+    from meshd.shard import blocks
     from meshd.shard.artifact import open_artifact
     from meshd.shard.recipe import get_recipe
     from meshd.shard.runtime import Shard
 
     art = open_artifact("smollm2")
     recipe = get_recipe("exact" if name == "exact" else "native")
+    blocks.divide_threads(2, recipe)  # as a daemon does: the block kernel's pool, or torch's
     t0 = time.perf_counter()
     bounds = [(0, 10), (10, 20), (20, 30)] if name == "native_split" else [(0, 30)]
     shards = [Shard(art, a, b, recipe, progress=False) for a, b in bounds]

@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     local.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
     local.add_argument("--stats", action="store_true", help="print timing as JSON on stderr")
+    local.add_argument("--threads", type=int, default=0, help="threads for tensor work (default: one per core)")
     return parser
 
 

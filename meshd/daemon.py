@@ -46,6 +46,7 @@ from meshd.settings import Settings
 from meshd.shard.artifact import open_artifact
 from meshd.shard.endpoint import ShardEndpoint
 from meshd.shard.footprint import check_fits, layer_bytes, rss_bytes, trim_heap, weight_bytes
+from meshd.shard import blocks
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
 from meshd.shard.scheduler import Scheduler
@@ -89,6 +90,7 @@ class Daemon:
         s = self.settings
         self.artifact = await trio.to_thread.run_sync(open_artifact, s.model)
         self.recipe = get_recipe(s.recipe, self.artifact)
+        await self.compute.run(blocks.divide_threads, s.threads or len(os.sched_getaffinity(0)), self.recipe)
         cfg = self.artifact.config
         self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.family, "artifact")
         fixed = s.parse_layers(cfg.n_layers)
@@ -522,10 +524,6 @@ def run_daemon(settings: Settings) -> int:
     event loop cannot take it yet) ends the process at once.
     """
     Path(settings.state_path).mkdir(parents=True, exist_ok=True)
-    if settings.threads:  # a box shared with other daemons or work: torch's pool would oversubscribe it
-        import torch
-
-        torch.set_num_threads(settings.threads)
     compute = ComputeExecutor()
     daemon = Daemon(settings, compute)
     failure: list[BaseException] = []

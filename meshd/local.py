@@ -10,6 +10,7 @@ import os
 import time
 from typing import Iterator
 
+from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.endpoint import ShardEndpoint, token_frame
 from meshd.shard.recipe import Recipe, get_recipe
@@ -95,6 +96,7 @@ def run_local(args) -> int:
     from meshd.shard.tokenizer import TextStream, encode_prompt, load_tokenizer
 
     pipeline = LocalPipeline(args.model, args.split, args.recipe)
+    blocks.divide_threads(args.threads or len(os.sched_getaffinity(0)), pipeline.recipe)
     tokenizer = load_tokenizer(pipeline.artifact)
     ids = encode_prompt(tokenizer, args.prompt, args.chat)
     eos = {i for i in (pipeline.artifact.config.eos_id, tokenizer.eos_token_id) if i is not None}

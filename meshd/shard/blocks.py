@@ -31,6 +31,20 @@ def set_threads(n: int) -> None:
     """How many threads the kernel splits a matmul over (its own pool: the results do not depend on it)."""
     global _threads
     _threads = max(1, int(n))
+
+
+def divide_threads(threads: int, recipe) -> None:
+    """Give tensor work `threads` threads, called on the thread that computes. Where this recipe's
+    matmuls run in the block kernel, its pool takes them and torch's ops (norms, attention, small
+    elementwise work) run on one: two pools spinning on the same cores slowed a SmolLM2 decode step
+    from 28 to 61-70 ms on 2 cores (measured). Otherwise torch keeps them all."""
+    import torch
+
+    if KERNEL is not None and recipe.weight_dtype == "stored":
+        set_threads(threads)
+        torch.set_num_threads(1)
+    else:
+        torch.set_num_threads(threads)
 LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; v1"
 
 
@@ -77,6 +91,8 @@ class BlockWeight:
         if x.shape[1] != self.in_features:
             raise ValueError(f"matmul of [{m}, {x.shape[1]}] with a [{self.out_features}, {self.in_features}] weight")
         y = torch.empty(m, self.out_features, dtype=torch.float32)
+        # beside a torch pool of several threads (divide_threads not called) the kernel keeps to one
+        threads = _threads if torch.get_num_threads() == 1 else 1
         KERNEL.matmul(int(self.qtype), self.data.data_ptr(), self.data.shape[1], self.out_features,
-                      self.in_features, x.data_ptr(), m, y.data_ptr(), _threads, int(self.portable))
+                      self.in_features, x.data_ptr(), m, y.data_ptr(), threads, int(self.portable))
         return y
