@@ -17,8 +17,8 @@ pass), `optimise` (names the bottleneck: the measure furthest below its threshol
 run failed or a correctness measure failed). Exit code 0 promote, 1 optimise, 2 stop; `--smoke`
 (4 tokens, 1 prompt, 2 sessions) checks the plumbing only: 0 unless something failed to run.
 Usage: python bench/gate.py [--quick | --smoke] [--contract bench/contract.toml] [--out PATH]
-Prints a table, then one JSON object on the last line (also written to --out, by default
-bench/results/gate-<date>.json).
+Prints a table, then one JSON object on the last line (also written to bench/results/gate-<date>.json,
+and to --out PATH when given). Run it on an idle box: the result says when it was not (`box_busy`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 SPEED, FIT, CORRECTNESS, FAILURES = "speed", "fit", "correctness", "failures"
+BUSY = 0.1  # share of the box's CPU busy with other work, at start or end, past which the result is suspect
 
 
 def log(msg: str) -> None:
@@ -105,7 +106,8 @@ def machine_facts() -> dict:
     except OSError:
         facts["cpu"], facts["flags"] = platform.processor(), {}
     try:
-        facts["mem_total_mb"] = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemTotal")).split()[1]) // 1024
+        total = next(ln for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
+        facts["mem_total_mb"] = int(total.split()[1]) // 1024
     except (OSError, StopIteration):
         pass
     for key, mod in (("torch", "torch"), ("llama_cpp", "llama_cpp")):
@@ -246,6 +248,7 @@ class Runner:
         self.timeout = timeout
         self.commands: list[str] = []
         self.failures: list[str] = []
+        self.jobs: dict[str, dict] = {}  # what each of the gate's own workers was given (its --job file)
         self.env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
 
     def run(self, what: str, argv: list[str]) -> dict | None:
@@ -273,6 +276,7 @@ class Runner:
             return None
 
     def worker(self, name: str, job: dict) -> dict | None:
+        self.jobs[name] = job
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix=f"gate-{name}-", delete=False) as f:
             json.dump(job, f)
         try:
@@ -290,6 +294,8 @@ def plan(contract: dict, mode: str) -> dict:
         cfg.update({k: contract[mode][k] for k in ("prompts", "tokens", "sessions") if k in contract[mode]})
         names = [m for m in contract[mode].get("measures", names) if m in contract["measures"]]
     cfg["measures"] = names
+    # the concurrency levels run (a per-session measure is taken at those of its own among them)
+    cfg["levels"] = sorted(set(cfg["sessions"]))
     return cfg
 
 
@@ -330,8 +336,7 @@ def collect(contract: dict, cfg: dict, mode: str, runner: Runner) -> dict:
     if "rss_per_layer" in wanted:
         raw["rss"] = runner.worker("rss", {"model": m["name"], "layers": [10, 20], "threads": w["threads"]})
 
-    # every concurrency level this run needs, for llama.cpp and each mesh setup
-    levels = sorted(set(cfg["sessions"]) | {s for name in wanted for s in sessions_of(contract["measures"][name], cfg, mode)})
+    levels = cfg["levels"]
     prompts = bench_constant("batch_bench.py", "PROMPTS")  # session i gets prompt i mod 8, as in batch_bench
     if wanted & {"batch_one_daemon", "three_daemons", "ttft", "token_latency_p50", "token_latency_p95"}:
         from meshd.shard.artifact import open_artifact
@@ -503,14 +508,16 @@ def report(result: dict) -> None:
     print(f"meshd release gate, contract v{result['contract_version']}, {result['mode']}: {c['prompts']} prompt(s) x"
           f" {c['tokens']} greedy tokens, sessions {','.join(map(str, c['levels']))}")
     print(f"machine: {facts.get('cpu')}, {facts.get('cores')} cores, flags"
-          f" {' '.join(f for f, on in facts.get('flags', {}).items() if on)}, load {fmt(facts['loadavg_at_start'][0])},"
+          f" {' '.join(f for f, on in facts.get('flags', {}).items() if on)}, load {fmt(facts['loadavg_at_start'][0])}"
+          f" (CPU busy before/after {fmt(facts.get('cpu_busy_at_start'))}/{fmt(facts.get('cpu_busy_at_end'))}),"
           f" torch {facts.get('torch')}, llama_cpp {facts.get('llama_cpp')}, meshd kernel {facts.get('meshd_kernel')}")
     busy = max(facts.get("cpu_busy_at_start", 0), facts.get("cpu_busy_at_end", 0))
-    if busy > 0.1:
+    if busy > BUSY:
         print(f"WARNING: the box was busy with other work ({busy:.0%} of its CPU when the gate ran nothing);"
               " llama.cpp's spinning threads slow down many times over when they share cores: ratios are suspect")
     print()
-    print(f"{'measure':28} {'value':>10} {'llama.cpp|ref':>13} {'unit':>5} {'ratio':>8} {'threshold':>10} {'result':>6}")
+    print(f"{'measure':28} {'value':>10} {'llama.cpp|ref':>13} {'unit':>5} {'ratio':>8} {'threshold':>10}"
+          f" {'result':>6}")
     for r in result["measures"]:
         bar = f">= {r['min']:g}" if r["min"] is not None else f"<= {r['max']:g}"
         spec = "d" if r["kind"] == FAILURES else ".3f"
@@ -535,7 +542,8 @@ def report(result: dict) -> None:
         print(f"ran: {cmd}")
     v = result["verdict"]
     tail = f": bottleneck {result['bottleneck']}" if result["bottleneck"] else ""
-    print(f"verdict: {v}{tail}" + ("  (smoke run: checks the plumbing, binds nothing)" if result["mode"] == "smoke" else ""))
+    smoke = "  (smoke run: checks the plumbing, binds nothing)" if result["mode"] == "smoke" else ""
+    print(f"verdict: {v}{tail}{smoke}")
 
 
 def main() -> None:
@@ -544,7 +552,8 @@ def main() -> None:
     size.add_argument("--quick", action="store_true", help="the contract's [quick] subset and sizes (~10 min, 2 cores)")
     size.add_argument("--smoke", action="store_true", help="4 tokens, 1 prompt, 2 sessions: the plumbing only")
     ap.add_argument("--contract", default=str(BENCH / "contract.toml"))
-    ap.add_argument("--out", help="where the JSON result goes (default bench/results/gate-<date>.json)")
+    ap.add_argument("--out", help="a second place for the JSON result (it always goes to"
+                    " bench/results/gate-<date>.json)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -563,21 +572,24 @@ def main() -> None:
     runner = Runner(contract["workload"].get("timeout_s", 1800))
     t0 = time.perf_counter()
     raw = collect(contract, cfg, mode, runner)
-    cfg["levels"] = sorted(set(cfg["sessions"]) | {s for n in cfg["measures"]
-                                                   for s in sessions_of(contract["measures"][n], cfg, mode)})
     rows = judge(contract, cfg, mode, raw, runner)
     v, bottleneck = verdict(rows)
     facts["loadavg_at_end"], facts["cpu_busy_at_end"] = list(os.getloadavg()), cpu_busy()
+    busy = max(facts["cpu_busy_at_start"], facts["cpu_busy_at_end"])
     result = {"bench": "gate", "contract_version": contract["version"], "contract": str(Path(args.contract).resolve()),
-              "mode": mode, "started": started.isoformat(timespec="seconds"), "wall_s": round(time.perf_counter() - t0, 1),
-              "machine": facts, "config": cfg, "commands": runner.commands, "measures": rows,
+              "mode": mode, "started": started.isoformat(timespec="seconds"),
+              "wall_s": round(time.perf_counter() - t0, 1),
+              "machine": facts, "config": cfg, "commands": runner.commands,
+              "worker_jobs": runner.jobs, "measures": rows,
               "breakdown": breakdown(raw, cfg), "failures": runner.failures, "verdict": v, "bottleneck": bottleneck,
-              "raw": raw}
+              "box_busy": busy > BUSY, "raw": raw}
     report(result)
-    out = Path(args.out) if args.out else BENCH / "results" / f"gate-{started.strftime('%Y-%m-%dT%H-%M-%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    log(f"result written to {out}")
+    outs = [BENCH / "results" / f"gate-{started.strftime('%Y-%m-%dT%H-%M-%S')}.json"] + (
+        [Path(args.out)] if args.out else [])
+    for out in outs:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        log(f"result written to {out}")
     print(json.dumps(result))
     if mode == "smoke":
         sys.exit(2 if runner.failures else 0)

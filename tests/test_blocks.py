@@ -90,3 +90,49 @@ def test_inconsistent_sizes_are_refused_with_a_clear_error():
         w.mm(torch.randn(1, 32))
     with pytest.raises(ValueError, match="unsupported block type"):
         blocks.KERNEL.matmul(12, w.data.data_ptr(), 68, 4, 64, 0, 0, 0, 1, 0)
+
+
+def test_rms_norm_follows_torch_and_is_the_same_per_row_and_path():
+    w = torch.randn(200)
+    x = torch.randn(3, 7, 200) * 4
+    norm = blocks.Norm(w)
+    y = norm.apply(x, 1e-5)
+    ref = torch.nn.functional.rms_norm(x.double(), (200,), w.double(), 1e-5)
+    assert y.dtype == torch.float32 and float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert torch.equal(norm.apply(x[1:2, 3:4], 1e-5), y[1:2, 3:4])
+    if blocks.isa() != "portable":
+        assert torch.equal(blocks.Norm(w, portable=True).apply(x, 1e-5), y)
+    assert norm.apply(x.bfloat16(), 1e-5).dtype == torch.bfloat16
+
+
+def kv(kv_heads: int, length: int, hd: int, capacity: int):
+    """Keys and values as a session's cache holds them: bfloat16 views into a longer buffer."""
+    k = torch.randn(1, kv_heads, capacity, hd).bfloat16()
+    v = torch.randn(1, kv_heads, capacity, hd).bfloat16()
+    return k[:, :, :length], v[:, :, :length]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_attention_follows_sdpa_and_each_row_equals_its_decode_step(heads, kv_heads):
+    hd, pos, n = 64, 5, 7
+    keys, values = kv(kv_heads, pos + n, hd, 40)
+    q = torch.randn(1, n, heads, hd).transpose(1, 2)  # the strided view a layer hands over
+    out = blocks.attention(q, keys, values, pos)
+    assert out.shape == (1, heads, n, hd)
+    kf, vf = (t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values))
+    mask = torch.arange(pos + n)[None, :] <= torch.arange(pos, pos + n)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kf, vf, attn_mask=mask)
+    assert float((out - ref).abs().max()) < 1e-5
+    for r in range(n):  # a row of a many-position pass is bit for bit the one-position step
+        step = blocks.attention(q[:, :, r:r + 1], keys[:, :, :pos + r + 1], values[:, :, :pos + r + 1], pos + r)
+        assert torch.equal(step, out[:, :, r:r + 1])
+    if blocks.isa() != "portable":
+        assert torch.equal(blocks.attention(q, keys, values, pos, portable=True), out)
+
+
+def test_attention_refuses_what_it_cannot_compute():
+    keys, values = kv(3, 4, 64, 8)
+    with pytest.raises(ValueError, match="over 4 cached"):
+        blocks.attention(torch.randn(1, 9, 2, 64), keys, values, 3)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        blocks.attention(torch.randn(1, 8, 1, 64), keys, values, 3)

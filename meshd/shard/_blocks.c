@@ -421,6 +421,198 @@ static void run_job(const Job *j, int threads) {
     pthread_mutex_unlock(&call_lock);
 }
 
+/* ---- RMSNorm and attention, in the same fixed orders on both paths ---- */
+
+/* y = x * (1 / sqrt(mean(x^2) + eps)) * w per row; the squares summed in eight lanes (lane i % 8). */
+static void rms_norm_portable(const float *x, const float *w, int64_t rows, int64_t cols, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float lane[8] = {0};
+        for (int64_t i = 0; i < cols; i++) lane[i % 8] = fmaf(xr[i], xr[i], lane[i % 8]);
+        float inv = 1.0f / sqrtf(lanes_sum(lane) / (float)cols + eps);
+        for (int64_t i = 0; i < cols; i++) y[r * cols + i] = (xr[i] * inv) * w[i];
+    }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Causal attention of n query rows at positions pos.. over one session's cached keys and values
+ * (bfloat16, [kv heads, positions, hd] with the given strides); every row is computed as a decode
+ * step computes it: scores in K order (eight lanes, d % 8), softmax with expf, values summed in
+ * position order. out is [n, heads, hd]. */
+typedef struct {
+    const float *q;
+    int64_t q_row, q_head;           /* strides of q, in floats */
+    const uint16_t *k, *v;
+    int64_t kv_head, kv_pos;         /* strides of the caches, in elements */
+    int heads, kv_heads, hd;
+    int64_t pos, n;
+    float scale;
+    float *out;
+} Attn;
+
+static void attend_portable(const Attn *a, float *scores) {
+    int group = a->heads / a->kv_heads;
+    for (int64_t r = 0; r < a->n; r++) {
+        int64_t total = a->pos + r + 1;
+        for (int h = 0; h < a->heads; h++) {
+            const float *q = a->q + r * a->q_row + h * a->q_head;
+            const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < total; t++) {
+                float lane[8] = {0};
+                for (int d = 0; d < a->hd; d++) lane[d % 8] = fmaf(q[d], bf16_to_f32(k[t * a->kv_pos + d]), lane[d % 8]);
+                scores[t] = lanes_sum(lane) * a->scale;
+                top = fmaxf(top, scores[t]);
+            }
+            for (int64_t t = 0; t < total; t++) {
+                scores[t] = expf(scores[t] - top);
+                sum += scores[t];
+            }
+            float *o = a->out + (r * a->heads + h) * a->hd;
+            for (int d = 0; d < a->hd; d++) o[d] = 0.0f;
+            for (int64_t t = 0; t < total; t++)
+                for (int d = 0; d < a->hd; d++) o[d] = fmaf(scores[t], bf16_to_f32(v[t * a->kv_pos + d]), o[d]);
+            for (int d = 0; d < a->hd; d++) o[d] = o[d] / sum;
+        }
+    }
+}
+
+#if HAVE_X86
+__attribute__((target("avx2,fma,f16c"))) static void rms_norm_avx2(const float *x, const float *w, int64_t rows,
+                                                                     int64_t cols, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= cols; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float lane[8];
+        _mm256_storeu_ps(lane, acc);
+        for (; i < cols; i++) lane[i % 8] = fmaf(xr[i], xr[i], lane[i % 8]);
+        float inv = 1.0f / sqrtf(lanes_sum(lane) / (float)cols + eps);
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= cols; i += 8)
+            _mm256_storeu_ps(y + r * cols + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv),
+                                                             _mm256_loadu_ps(w + i)));
+        for (; i < cols; i++) y[r * cols + i] = (xr[i] * inv) * w[i];
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 bf16x8_avx2(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, float *scores) {
+    int group = a->heads / a->kv_heads, hd = a->hd;
+    for (int64_t r = 0; r < a->n; r++) {
+        int64_t total = a->pos + r + 1;
+        for (int h = 0; h < a->heads; h++) {
+            const float *q = a->q + r * a->q_row + h * a->q_head;
+            const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < total; t++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int d = 0; d < hd; d += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), bf16x8_avx2(k + t * a->kv_pos + d), acc);
+                float lane[8];
+                _mm256_storeu_ps(lane, acc);
+                scores[t] = lanes_sum(lane) * a->scale;
+                top = fmaxf(top, scores[t]);
+            }
+            for (int64_t t = 0; t < total; t++) {
+                scores[t] = expf(scores[t] - top);
+                sum += scores[t];
+            }
+            float *o = a->out + (r * a->heads + h) * hd;
+            for (int d = 0; d < hd; d += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t t = 0; t < total; t++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), bf16x8_avx2(v + t * a->kv_pos + d), acc);
+                _mm256_storeu_ps(o + d, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+            }
+        }
+    }
+}
+#endif
+
+static int read_longs(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *v, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* rms_norm(x_ptr, w_ptr, rows, cols, eps, y_ptr, portable) */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "rms_norm takes 7 arguments");
+        return NULL;
+    }
+    double eps = PyFloat_AsDouble(args[4]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    long long v[6]; /* x, w, rows, cols, y, portable */
+    PyObject *ints[6] = {args[0], args[1], args[2], args[3], args[5], args[6]};
+    if (read_longs(ints, 6, 6, v, "rms_norm") < 0) return NULL;
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    const float *x = (const float *)(intptr_t)v[0], *w = (const float *)(intptr_t)v[1];
+    float *y = (float *)(intptr_t)v[4];
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+    if (use_avx2 && !v[5]) rms_norm_avx2(x, w, v[2], v[3], (float)eps, y);
+    else
+#endif
+        rms_norm_portable(x, w, v[2], v[3], (float)eps, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* attend(q, q_row, q_head, k, v, kv_head, kv_pos, heads, kv_heads, hd, pos, n, out, portable, scale) */
+static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[14];
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "attend takes 15 arguments");
+        return NULL;
+    }
+    if (read_longs(args, 14, 14, v, "attend") < 0) return NULL;
+    double scale = PyFloat_AsDouble(args[14]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    Attn a = {(const float *)(intptr_t)v[0], v[1], v[2], (const uint16_t *)(intptr_t)v[3],
+              (const uint16_t *)(intptr_t)v[4], v[5], v[6], (int)v[7], (int)v[8], (int)v[9], v[10], v[11],
+              (float)scale, (float *)(intptr_t)v[12]};
+    if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads || a.hd <= 0 || a.hd % 8 || a.pos < 0 || a.n < 0) {
+        PyErr_SetString(PyExc_ValueError, "attend: heads must be a multiple of kv heads and hd of 8");
+        return NULL;
+    }
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    float *scores = malloc((size_t)(a.pos + a.n + 1) * sizeof(float));
+    if (!scores) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+    if (use_avx2 && !v[13]) attend_avx2(&a, scores);
+    else
+#endif
+        attend_portable(&a, scores);
+    Py_END_ALLOW_THREADS
+    free(scores);
+    Py_RETURN_NONE;
+}
+
 /* ---- Python ---- */
 
 /* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, threads, portable) */
@@ -461,6 +653,8 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "y = x @ W.T over GGUF blocks"},
     {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of float32 rows"},
+    {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "causal attention over bfloat16 KV"},
     {NULL, NULL, 0, NULL},
 };
 

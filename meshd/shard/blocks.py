@@ -1,4 +1,5 @@
-"""GGUF blocks multiplied as they are stored: the native lane's kernel for Q4_0, Q4_1 and Q8_0.
+"""GGUF blocks multiplied as they are stored: the native lane's kernels for Q4_0, Q4_1 and Q8_0,
+its RMSNorm and its attention over bfloat16 KV.
 
 Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte) and
 multiplies them with integer dot products against float32 activations quantized to 8 bits per
@@ -6,6 +7,8 @@ multiplies them with integer dot products against float32 activations quantized 
 one fixed order whatever the row count, batch, thread count or CPU (AVX2 or the portable C path), so
 a row's bits never depend on its neighbours or on the peer. Where the extension did not build, `KERNEL`
 is None, the lane falls back to torch's int4 layout, and its recipe layout says so.
+RMSNorm and attention run per row in the same way: a query row attends as a decode step would, so a
+pass of many positions gives each the bits one-position steps give (prefill, replay, verification).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def divide_threads(threads: int, recipe) -> None:
         torch.set_num_threads(1)
     else:
         torch.set_num_threads(threads)
-LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; v1"
+LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; rms-norm and attention per row in _blocks.c; v1"
 
 
 def available(qtype: QT) -> bool:
@@ -96,3 +99,54 @@ class BlockWeight:
         KERNEL.matmul(int(self.qtype), self.data.data_ptr(), self.data.shape[1], self.out_features,
                       self.in_features, x.data_ptr(), m, y.data_ptr(), threads, int(self.portable))
         return y
+
+
+@dataclass
+class Norm:
+    """An RMSNorm weight (float32) whose norm runs in the kernel (`llama.rms_norm` dispatches on it)."""
+
+    weight: torch.Tensor
+    portable: bool = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def apply(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over x's last dimension, in float32, returned in x's dtype."""
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        y = torch.empty_like(x2)
+        KERNEL.rms_norm(x2.data_ptr(), self.weight.data_ptr(), x2.shape[0], x2.shape[1], float(eps),
+                        y.data_ptr(), int(self.portable))
+        y = y.view(shape)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+
+def norm_weight(w: torch.Tensor, recipe):
+    """A norm weight as the recipe runs it: a `Norm` where the native lane has the kernel."""
+    w = w.float().contiguous()
+    return Norm(w) if KERNEL is not None and recipe.weight_dtype == "stored" else w
+
+
+def attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `attention` runs this in the kernel: float32 queries over bfloat16 KV (the native lane)."""
+    return KERNEL is not None and q.dtype == torch.float32 and keys.dtype == torch.bfloat16
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, portable: bool = False) -> torch.Tensor:
+    """Causal attention of q [1, heads, n, hd] (positions pos..) over keys and values [1, kv heads,
+    pos + n, hd]: [1, heads, n, hd] float32, every row as a decode step computes it."""
+    _, heads, n, hd = q.shape
+    kv_heads = keys.shape[1]
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    if keys.stride(3) != 1 or values.stride(3) != 1 or keys.stride() != values.stride():
+        keys, values = keys.contiguous(), values.contiguous()
+    if keys.shape[2] < pos + n:
+        raise ValueError(f"attention at positions {pos}..{pos + n - 1} over {keys.shape[2]} cached")
+    out = torch.empty(1, n, heads, hd, dtype=torch.float32)
+    KERNEL.attend(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(1),
+                  keys.stride(2), heads, kv_heads, hd, pos, n, out.data_ptr(), int(portable), hd ** -0.5)
+    return out.transpose(1, 2)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meshd.shard import blocks
 from meshd.shard.config import ModelConfig
 from meshd.shard.linear import Weight, load_matrix, load_table, lookup
 from meshd.shard.rows import Rows
@@ -74,22 +75,26 @@ def load_layer(artifact, i: int, recipe) -> LlamaLayer:
         return unpermute_rope(a, heads[name]) if permuted and name in heads else a
 
     vector = lambda key: torch.from_numpy(np.ascontiguousarray(artifact.read(names[key]))).float()  # noqa: E731
+    norm = lambda key: blocks.norm_weight(vector(key), recipe)  # noqa: E731
     bqkv = None
     if cfg.attn_bias:
         bqkv = torch.from_numpy(np.concatenate([rows(names[k], artifact.read(names[k])) for k in ("bq", "bk", "bv")]))
         bqkv = bqkv.to(recipe.torch_compute)
     return LlamaLayer(
-        attn_norm=vector("attn_norm"),
+        attn_norm=norm("attn_norm"),
         wqkv=load_matrix(artifact, [names["q"], names["k"], names["v"]], recipe, rows), bqkv=bqkv,
         wo=load_matrix(artifact, [names["o"]], recipe),
-        ffn_norm=vector("ffn_norm"),
+        ffn_norm=norm("ffn_norm"),
         w_gate_up=load_matrix(artifact, [names["gate"], names["up"]], recipe),
         w_down=load_matrix(artifact, [names["down"]], recipe),
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (float32 weights), returned in x's dtype."""
+def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (float32 weights), returned in x's dtype; a `blocks.Norm` weight
+    runs in the native lane's kernel."""
+    if isinstance(weight, blocks.Norm):
+        return weight.apply(x, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
@@ -161,7 +166,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: in
     outs = []
     for seg, qs, ks, vs in zip(rows.segments, rows.split_heads(q), rows.split_heads(k), rows.split_heads(v)):
         keys, values = seg.kv.append(li, ks, vs, seg.position)
-        outs.append(attention(qs if qs.dtype == keys.dtype else qs.to(keys.dtype), keys, values, seg.position))
+        if blocks.attends(qs, keys):
+            outs.append(blocks.attention(qs, keys, values, seg.position))
+        else:
+            outs.append(attention(qs if qs.dtype == keys.dtype else qs.to(keys.dtype), keys, values, seg.position))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).reshape(1, r, heads * hd)
 
@@ -199,7 +207,8 @@ def load_tail(artifact, recipe, head: dict | None = None) -> dict:
         lm_head = head["embed"]  # tied: share the head's copy when one shard is both
     else:
         lm_head = load_matrix(artifact, [names["lm_head"]], recipe)
-    return {"final_norm": torch.from_numpy(artifact.read(names["final_norm"])).float(), "lm_head": lm_head}
+    return {"final_norm": blocks.norm_weight(torch.from_numpy(artifact.read(names["final_norm"])), recipe),
+            "lm_head": lm_head}
 
 
 def final(tail: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelConfig, rows: Rows) -> torch.Tensor:
