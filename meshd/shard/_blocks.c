@@ -291,12 +291,20 @@ static int cpu_has_avx2(void) { return 0; }
 
 /* ---- the pool ---- */
 
+/* A matmul's share of work: output features [n0, n1) of every row. */
 typedef struct {
-    int qtype, isa_avx2, parts;
+    int qtype, isa_avx2;
     const uint8_t *w;
     int64_t row_bytes, n, m, nb;
     const XBlock *xq;
     float *y;
+} MatJob;
+
+/* What the pool runs: fn(ctx, part, parts) for every part, each on one thread. */
+typedef struct {
+    void (*fn)(const void *ctx, int part, int parts);
+    const void *ctx;
+    int parts;
 } Job;
 
 static Job job;
@@ -321,20 +329,23 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void run_part(int part) {
+static void matmul_part(const void *ctx, int part, int parts) {
+    const MatJob *j = ctx;
     /* split into whole strips so every thread's share starts on a strip boundary */
-    int64_t strips = (job.n + STRIP - 1) / STRIP;
-    int64_t s0 = strips * part / job.parts, s1 = strips * (part + 1) / job.parts;
-    int64_t n0 = s0 * STRIP, n1 = s1 * STRIP < job.n ? s1 * STRIP : job.n;
+    int64_t strips = (j->n + STRIP - 1) / STRIP;
+    int64_t s0 = strips * part / parts, s1 = strips * (part + 1) / parts;
+    int64_t n0 = s0 * STRIP, n1 = s1 * STRIP < j->n ? s1 * STRIP : j->n;
     if (n0 >= n1) return;
 #if HAVE_X86
-    if (job.isa_avx2) {
-        rows_avx2(job.qtype, job.w, job.row_bytes, n0, n1, job.n, job.xq, job.m, job.nb, job.y);
+    if (j->isa_avx2) {
+        rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y);
         return;
     }
 #endif
-    rows_portable(job.qtype, job.w, job.row_bytes, n0, n1, job.n, job.xq, job.m, job.nb, job.y);
+    rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y);
 }
+
+static void run_part(int part) { job.fn(job.ctx, part, job.parts); }
 
 typedef struct {
     int part;
@@ -441,9 +452,30 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* exp(x) for x <= 0 (softmax after its max is taken out), the same operations on both paths:
+ * x = n ln2 + r with n = nearbyint(x log2 e), a degree-6 polynomial in r (Cephes' expf
+ * coefficients), times 2^n built from its bits. Within 2 ulp of expf; glibc's expf would differ
+ * between library versions and cannot be vectorised bit for bit. */
+static const float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_fixed(float x) {
+    x = fmaxf(x, -87.0f);
+    float n = nearbyintf(x * 1.44269504089f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = EXP_C[0];
+    for (int i = 1; i < 6; i++) p = fmaf(p, r, EXP_C[i]);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
 /* Causal attention of n query rows at positions pos.. over one session's cached keys and values
  * (bfloat16, [kv heads, positions, hd] with the given strides); every row is computed as a decode
- * step computes it: scores in K order (eight lanes, d % 8), softmax with expf, values summed in
+ * step computes it: scores in K order (eight lanes, d % 8), softmax with exp_fixed, values summed in
  * position order. out is [n, heads, hd]. */
 typedef struct {
     const float *q;
@@ -454,32 +486,32 @@ typedef struct {
     int64_t pos, n;
     float scale;
     float *out;
+    int isa_avx2;
 } Attn;
 
-static void attend_portable(const Attn *a, float *scores) {
+static void attend_portable(const Attn *a, int64_t p0, int64_t p1, float *scores) {
     int group = a->heads / a->kv_heads;
-    for (int64_t r = 0; r < a->n; r++) {
-        int64_t total = a->pos + r + 1;
-        for (int h = 0; h < a->heads; h++) {
-            const float *q = a->q + r * a->q_row + h * a->q_head;
-            const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
-            float top = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < total; t++) {
-                float lane[8] = {0};
-                for (int d = 0; d < a->hd; d++) lane[d % 8] = fmaf(q[d], bf16_to_f32(k[t * a->kv_pos + d]), lane[d % 8]);
-                scores[t] = lanes_sum(lane) * a->scale;
-                top = fmaxf(top, scores[t]);
-            }
-            for (int64_t t = 0; t < total; t++) {
-                scores[t] = expf(scores[t] - top);
-                sum += scores[t];
-            }
-            float *o = a->out + (r * a->heads + h) * a->hd;
-            for (int d = 0; d < a->hd; d++) o[d] = 0.0f;
-            for (int64_t t = 0; t < total; t++)
-                for (int d = 0; d < a->hd; d++) o[d] = fmaf(scores[t], bf16_to_f32(v[t * a->kv_pos + d]), o[d]);
-            for (int d = 0; d < a->hd; d++) o[d] = o[d] / sum;
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t r = p / a->heads, total = a->pos + r + 1;
+        int h = (int)(p % a->heads);
+        const float *q = a->q + r * a->q_row + h * a->q_head;
+        const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
+        float top = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < total; t++) {
+            float lane[8] = {0};
+            for (int d = 0; d < a->hd; d++) lane[d % 8] = fmaf(q[d], bf16_to_f32(k[t * a->kv_pos + d]), lane[d % 8]);
+            scores[t] = lanes_sum(lane) * a->scale;
+            top = fmaxf(top, scores[t]);
         }
+        for (int64_t t = 0; t < total; t++) {
+            scores[t] = exp_fixed(scores[t] - top);
+            sum += scores[t];
+        }
+        float *o = a->out + p * a->hd;
+        for (int d = 0; d < a->hd; d++) o[d] = 0.0f;
+        for (int64_t t = 0; t < total; t++)
+            for (int d = 0; d < a->hd; d++) o[d] = fmaf(scores[t], bf16_to_f32(v[t * a->kv_pos + d]), o[d]);
+        for (int d = 0; d < a->hd; d++) o[d] = o[d] / sum;
     }
 }
 
@@ -511,38 +543,93 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 bf16x8_avx2(const 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, float *scores) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 exp8_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(EXP_C[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C[i]));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, int64_t p0, int64_t p1,
+                                                                   float *scores) {
     int group = a->heads / a->kv_heads, hd = a->hd;
-    for (int64_t r = 0; r < a->n; r++) {
-        int64_t total = a->pos + r + 1;
-        for (int h = 0; h < a->heads; h++) {
-            const float *q = a->q + r * a->q_row + h * a->q_head;
-            const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
-            float top = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < total; t++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int d = 0; d < hd; d += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), bf16x8_avx2(k + t * a->kv_pos + d), acc);
-                float lane[8];
-                _mm256_storeu_ps(lane, acc);
-                scores[t] = lanes_sum(lane) * a->scale;
-                top = fmaxf(top, scores[t]);
-            }
-            for (int64_t t = 0; t < total; t++) {
-                scores[t] = expf(scores[t] - top);
-                sum += scores[t];
-            }
-            float *o = a->out + (r * a->heads + h) * hd;
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t r = p / a->heads, total = a->pos + r + 1;
+        int h = (int)(p % a->heads);
+        const float *q = a->q + r * a->q_row + h * a->q_head;
+        const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
+        float top = -INFINITY, sum = 0.0f;
+        /* four keys at a time: independent sums, each in its own d order */
+        int64_t t = 0;
+        for (; t + 4 <= total; t += 4) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int d = 0; d < hd; d += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t t = 0; t < total; t++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), bf16x8_avx2(v + t * a->kv_pos + d), acc);
-                _mm256_storeu_ps(o + d, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+                __m256 qd = _mm256_loadu_ps(q + d);
+                for (int u = 0; u < 4; u++)
+                    acc[u] = _mm256_fmadd_ps(qd, bf16x8_avx2(k + (t + u) * a->kv_pos + d), acc[u]);
             }
+            for (int u = 0; u < 4; u++) {
+                float lane[8];
+                _mm256_storeu_ps(lane, acc[u]);
+                scores[t + u] = lanes_sum(lane) * a->scale;
+                top = fmaxf(top, scores[t + u]);
+            }
+        }
+        for (; t < total; t++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), bf16x8_avx2(k + t * a->kv_pos + d), acc);
+            float lane[8];
+            _mm256_storeu_ps(lane, acc);
+            scores[t] = lanes_sum(lane) * a->scale;
+            top = fmaxf(top, scores[t]);
+        }
+        __m256 vtop = _mm256_set1_ps(top);
+        for (t = 0; t + 8 <= total; t += 8)
+            _mm256_storeu_ps(scores + t, exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vtop)));
+        for (; t < total; t++) scores[t] = exp_fixed(scores[t] - top);
+        for (t = 0; t < total; t++) sum += scores[t];
+        /* up to eight 8-wide slices of the output at once, each summed in position order */
+        float *o = a->out + p * hd;
+        for (int d0 = 0; d0 < hd; d0 += 64) {
+            int chunks = (hd - d0) / 8 < 8 ? (hd - d0) / 8 : 8;
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            for (t = 0; t < total; t++) {
+                __m256 st = _mm256_set1_ps(scores[t]);
+                const uint16_t *vt = v + t * a->kv_pos + d0;
+                for (int c = 0; c < chunks; c++) acc[c] = _mm256_fmadd_ps(st, bf16x8_avx2(vt + 8 * c), acc[c]);
+            }
+            __m256 vs = _mm256_set1_ps(sum);
+            for (int c = 0; c < chunks; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(acc[c], vs));
         }
     }
 }
 #endif
+
+/* A thread's share of the (row, head) pairs; pairs never depend on each other. */
+static void attend_part(const void *ctx, int part, int parts) {
+    const Attn *a = ctx;
+    int64_t pairs = a->n * a->heads, p0 = pairs * part / parts, p1 = pairs * (part + 1) / parts;
+    if (p0 >= p1) return;
+    float *scores = malloc((size_t)(a->pos + a->n + 1) * sizeof(float));
+    if (!scores) abort(); /* a few KB per thread; nothing sane is left to do without it */
+#if HAVE_X86
+    if (a->isa_avx2) {
+        attend_avx2(a, p0, p1, scores);
+        free(scores);
+        return;
+    }
+#endif
+    attend_portable(a, p0, p1, scores);
+    free(scores);
+}
 
 static int read_longs(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *v, const char *name) {
     if (nargs != want) {
@@ -581,15 +668,15 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* attend(q, q_row, q_head, k, v, kv_head, kv_pos, heads, kv_heads, hd, pos, n, out, portable, scale) */
+/* attend(q, q_row, q_head, k, v, kv_head, kv_pos, heads, kv_heads, hd, pos, n, out, portable, scale, threads) */
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[14];
-    if (nargs != 15) {
-        PyErr_SetString(PyExc_TypeError, "attend takes 15 arguments");
+    long long v[16];
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "attend takes 16 arguments");
         return NULL;
     }
-    if (read_longs(args, 14, 14, v, "attend") < 0) return NULL;
+    if (read_longs(args, 14, 14, v, "attend") < 0 || read_longs(args + 15, 1, 1, v + 15, "attend") < 0) return NULL;
     double scale = PyFloat_AsDouble(args[14]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     Attn a = {(const float *)(intptr_t)v[0], v[1], v[2], (const uint16_t *)(intptr_t)v[3],
@@ -600,16 +687,13 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
-    float *scores = malloc((size_t)(a.pos + a.n + 1) * sizeof(float));
-    if (!scores) return PyErr_NoMemory();
+    a.isa_avx2 = use_avx2 && !v[13];
+    /* a decode step's few pairs are not worth waking the pool for */
+    int threads = a.n * (a.pos + a.n) * a.heads >= 4096 ? (int)v[15] : 1;
+    Job j = {attend_part, &a, 1};
     Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (use_avx2 && !v[13]) attend_avx2(&a, scores);
-    else
-#endif
-        attend_portable(&a, scores);
+    run_job(&j, threads < 1 ? 1 : threads);
     Py_END_ALLOW_THREADS
-    free(scores);
     Py_RETURN_NONE;
 }
 
@@ -637,8 +721,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!xq) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
     quantize_rows((const float *)(intptr_t)v[5], m, k, xq);
-    Job j = {qtype, use_avx2 && !portable, 1, (const uint8_t *)(intptr_t)v[1], row_bytes, n, m, k / QK, xq,
-             (float *)(intptr_t)v[7]};
+    MatJob mj = {qtype, use_avx2 && !portable, (const uint8_t *)(intptr_t)v[1], row_bytes, n, m, k / QK, xq,
+                 (float *)(intptr_t)v[7]};
+    Job j = {matmul_part, &mj, 1};
     run_job(&j, threads < 1 ? 1 : threads);
     Py_END_ALLOW_THREADS
     free(xq);

@@ -36,6 +36,12 @@ def set_threads(n: int) -> None:
     _threads = max(1, int(n))
 
 
+def _pool_threads() -> int:
+    """The kernel's threads for a call: beside a torch pool of several threads (divide_threads not
+    called), one, so the two pools never spin against each other."""
+    return _threads if torch.get_num_threads() == 1 else 1
+
+
 def divide_threads(threads: int, recipe) -> None:
     """Give tensor work `threads` threads, called on the thread that computes. Where this recipe's
     matmuls run in the block kernel, its pool takes them and torch's ops (norms, attention, small
@@ -94,10 +100,8 @@ class BlockWeight:
         if x.shape[1] != self.in_features:
             raise ValueError(f"matmul of [{m}, {x.shape[1]}] with a [{self.out_features}, {self.in_features}] weight")
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        # beside a torch pool of several threads (divide_threads not called) the kernel keeps to one
-        threads = _threads if torch.get_num_threads() == 1 else 1
         KERNEL.matmul(int(self.qtype), self.data.data_ptr(), self.data.shape[1], self.out_features,
-                      self.in_features, x.data_ptr(), m, y.data_ptr(), threads, int(self.portable))
+                      self.in_features, x.data_ptr(), m, y.data_ptr(), _pool_threads(), int(self.portable))
         return y
 
 
@@ -148,5 +152,6 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
         raise ValueError(f"attention at positions {pos}..{pos + n - 1} over {keys.shape[2]} cached")
     out = torch.empty(1, n, heads, hd, dtype=torch.float32)
     KERNEL.attend(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(1),
-                  keys.stride(2), heads, kv_heads, hd, pos, n, out.data_ptr(), int(portable), hd ** -0.5)
+                  keys.stride(2), heads, kv_heads, hd, pos, n, out.data_ptr(), int(portable), hd ** -0.5,
+                  _pool_threads())
     return out.transpose(1, 2)
