@@ -467,11 +467,20 @@ class Attempt:
         return token
 
     async def replay(self, tokens, position) -> int:
-        """Run the tokens generated before a reroute through the new route as the decode steps they
-        first were, one position a step: every hop then computes bit for bit what the lost route
-        computed (a prefill of the same positions would not: attention kernels round differently
-        for many queries than for one), and seeded sampling draws in the same order. Up to
-        REPLAY_WINDOW steps are in flight. Returns the token after the last one."""
+        """Run the tokens generated before a reroute through the new route so that every hop computes
+        bit for bit what the lost route computed, and return the token after the last one (seeded
+        sampling draws from the position, so it is the token the lost route would have given).
+        Where a pass of many positions rounds like one-position steps (the block kernel: the route
+        shares this daemon's model and recipe, so its hops compute as this shard does), the tokens go
+        as prefill-sized chunks; elsewhere (torch's attention rounds differently for many queries
+        than for one) as the decode steps they first were, REPLAY_WINDOW in flight."""
+        if self.service.endpoint.shard.passes_equal_steps:
+            spans = chunk_spans(len(tokens))
+            token = None
+            for ci, (a, b) in enumerate(spans):
+                token = await self.step(a + 1, Phase.PREFILL, position + a, list(tokens[a:b]), (ci, len(spans)))
+            assert token is not None
+            return token
         outs: list[int] = []
         sent = 0
         for i, t in enumerate(tokens):

@@ -89,7 +89,7 @@ def test_inconsistent_sizes_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="matmul of"):
         w.mm(torch.randn(1, 32))
     with pytest.raises(ValueError, match="unsupported block type"):
-        blocks.KERNEL.matmul(12, w.data.data_ptr(), 68, 4, 64, 0, 0, 0, 1, 0)
+        blocks.KERNEL.matmul(12, w.data.data_ptr(), 68, 4, 64, 0, 0, 0, 1, 0, 0)
 
 
 def test_rms_norm_follows_torch_and_is_the_same_per_row_and_path():
@@ -136,3 +136,46 @@ def test_attention_refuses_what_it_cannot_compute():
         blocks.attention(torch.randn(1, 9, 2, 64), keys, values, 3)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         blocks.attention(torch.randn(1, 8, 1, 64), keys, values, 3)
+
+
+def test_a_product_added_into_the_residual_rounds_as_x_plus_the_product():
+    w, _ = weight(QT.Q4_1, 48, 128, seed=4)
+    x, residual = torch.randn(3, 128), torch.randn(3, 48)
+    into = residual.clone()
+    assert w.mm(x, add_to=into) is into
+    assert torch.equal(into, residual + w.mm(x))
+    with pytest.raises(ValueError, match="cannot add"):
+        w.mm(x, add_to=torch.zeros(3, 47))
+
+
+def test_rope_into_the_cache_rotates_like_the_rotary_tables():
+    from meshd.shard.config import ModelConfig  # noqa: F401 (the tables come from Rotary below)
+    from meshd.shard.llama import Rotary
+
+    class Cfg:
+        head_dim, rope_theta = 64, 10000.0
+
+    rot = Rotary(Cfg, 32)
+    heads, kv_heads, hd, pos, n = 6, 2, 64, 3, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd)
+    keys = torch.zeros(1, kv_heads, 16, hd, dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    q = blocks.rope_kv(qkv, pos, rot.cos, rot.signed_sin, heads, kv_heads, keys, values)
+    split = qkv.view(n, heads + 2 * kv_heads, hd).transpose(0, 1)[None]  # [1, heads, n, hd]
+    ref = rot.apply(split[:, :heads + kv_heads], pos)
+    assert float((q - ref[:, :heads]).abs().max()) < 1e-6
+    assert torch.equal(keys[:, :, pos:pos + n], ref[:, heads:].to(torch.bfloat16))  # round to nearest even
+    assert torch.equal(values[:, :, pos:pos + n], split[:, heads + kv_heads:].to(torch.bfloat16))
+    assert keys[:, :, :pos].abs().sum() == 0 and keys[:, :, pos + n:].abs().sum() == 0  # nothing else written
+    with pytest.raises(ValueError, match="do not fit"):
+        blocks.rope_kv(qkv, 12, rot.cos, rot.signed_sin, heads, kv_heads, keys, values)
+
+
+def test_silu_mul_follows_torch_and_both_paths_agree():
+    x = torch.randn(5, 2 * 100) * 10
+    x[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # past exp's range both ways
+    y = blocks.silu_mul(x)
+    ref = torch.nn.functional.silu(x[:, :100].double()) * x[:, 100:].double()
+    assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    if blocks.isa() != "portable":
+        assert torch.equal(blocks.silu_mul(x, portable=True), y)

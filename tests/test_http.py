@@ -120,7 +120,16 @@ def test_meshctl_chat_keeps_a_conversation_and_ends_on_ctrl_d(mesh):
                          input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("you> ") == 3 and "Paris" in out.stdout  # two turns answered, then the EOF prompt
+    assert out.stdout.count("you> ") == 3  # two turns answered, then the EOF prompt
+    # the first turn is the chat-templated answer to the question alone (the native lane answers as
+    # llama.cpp does on this file: "L'Étoile, la Marseillaise,"; the exact lane says Paris)
+    alone = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--chat",
+                            "--max-tokens", "12", "What is the capital of France?"], capture_output=True, text=True,
+                           timeout=120)
+    assert alone.returncode == 0 and alone.stdout.strip()
+    assert out.stdout.startswith("you> " + alone.stdout.strip()), (out.stdout, alone.stdout)
+    second = out.stdout.split("you> ")[2].strip()
+    assert second and second != alone.stdout.strip()  # the second turn answered the second question
     proc = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "chat"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.5)

@@ -202,3 +202,27 @@ def test_a_gguf_without_a_tokenizer_is_refused_clearly_at_the_head(tmp_path):
     art = open_artifact(tiny_models.write_qwen3_gguf(tiny_models.tiny_qwen3(), tmp_path / "m.gguf"))
     with pytest.raises(ArtifactError, match="carries no tokenizer"):
         load_tokenizer(art)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def test_a_many_position_pass_equals_its_one_position_steps_bit_for_bit(tmp_path, qtype):
+    """Where the block kernel runs the layers, a prefill (or a replay) of n positions in one pass gives
+    the bits n decode steps give: the hidden states of every position and the logits of the last."""
+    if not blocks.available(qtype):
+        pytest.skip("the block kernel did not build here")
+    model = tiny_models.tiny_llama(seed=7)
+    tiny_models.quantize_linear_weights(model, qtype)
+    art = open_artifact(tiny_models.write_llama_gguf(model, tmp_path / "m.gguf", qtype=qtype))
+    body, tail = Shard(art, 0, 4, NATIVE), Shard(art, 4, art.config.n_layers, NATIVE)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 8, 61, 23, 7, 11]])
+    n = ids.shape[1]
+    for s in (body, tail):
+        s.open_session("chunk")
+        s.open_session("steps")
+    hidden = body.forward("chunk", ids[:, :6], 0)  # two passes of several positions
+    hidden = torch.cat([hidden, body.forward("chunk", ids[:, 6:], 6)], dim=1)
+    steps = torch.cat([body.forward("steps", ids[:, i:i + 1], i) for i in range(n)], dim=1)
+    assert torch.equal(hidden, steps)
+    logits = tail.forward("chunk", hidden, 0)
+    step_logits = [tail.forward("steps", steps[:, i:i + 1], i) for i in range(n)][-1]
+    assert torch.equal(logits, step_logits)

@@ -11,6 +11,9 @@
  * - Activations: per row and block of 32, d = max|x| / 127, q = nearbyint(x / d) in [-127, 127],
  *   s = d * sum(q) (for the weight's per-block offset). Part of the recipe: it changes the numbers.
  * - Threads split the output features; a pool of workers spins briefly between calls, then sleeps.
+ * - The rest of a Llama layer lives here too, per row and in fixed orders (RMSNorm, RoPE into the
+ *   bfloat16 KV cache, causal attention, silu(gate) * up), so a row's bits never depend on how many
+ *   rows or positions share its call: a many-position pass equals its one-position steps.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -131,7 +134,7 @@ static inline void unpack_codes(int qtype, const uint8_t *blk, int8_t *u) {
 }
 
 static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
-                          const XBlock *xq, int64_t m, int64_t nb, float *y) {
+                          const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     int bb = block_bytes(qtype);
     int8_t u[QK];
     for (int64_t col = n0; col < n1; col++) {
@@ -151,7 +154,8 @@ static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_
                 }
                 off = fmaf(c, xr[b].s, off);
             }
-            y[r * n + col] = lanes_sum(lane) + off;
+            float sum = lanes_sum(lane) + off;
+            y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
         }
     }
 }
@@ -191,11 +195,12 @@ __attribute__((target("avx2,fma,f16c"))) static inline void scales_f16c(int qtyp
 }
 
 __attribute__((target("avx2,fma,f16c"))) static inline void finish_avx2(const __m256 *acc, const float *off,
-                                                                          int rows, float *out) {
+                                                                          int rows, float *out, int accumulate) {
     for (int i = 0; i < rows; i++) {
         float lane[8];
         _mm256_storeu_ps(lane, acc[i]);
-        out[i] = lanes_sum(lane) + off[i];
+        float sum = lanes_sum(lane) + off[i];
+        out[i] = accumulate ? out[i] + sum : sum; /* y = x + W h: the residual added once, as x + (W h) */
     }
 }
 
@@ -203,7 +208,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void finish_avx2(const __
 __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_direct(int qtype, const uint8_t *w,
                                                                         int64_t row_bytes, int64_t n0, int64_t n1,
                                                                         int64_t n, const XBlock *xq, int64_t m,
-                                                                        int64_t nb, float *y) {
+                                                                        int64_t nb, float *y, int accumulate) {
     int bb = block_bytes(qtype), signed8 = qtype == Q8_0;
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
@@ -230,7 +235,7 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_direct(int qtype,
                     off[i] = fmaf(c, xs, off[i]);
                 }
             }
-            finish_avx2(acc, off, rows, y + r * n + c0);
+            finish_avx2(acc, off, rows, y + r * n + c0, accumulate);
         }
     }
 }
@@ -240,7 +245,7 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_direct(int qtype,
 __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_strips(int qtype, const uint8_t *w,
                                                                         int64_t row_bytes, int64_t n0, int64_t n1,
                                                                         int64_t n, const XBlock *xq, int64_t m,
-                                                                        int64_t nb, float *y) {
+                                                                        int64_t nb, float *y, int accumulate) {
     int bb = block_bytes(qtype), signed8 = qtype == Q8_0;
     __m256i *codes = aligned_alloc(32, (size_t)STRIP * nb * sizeof(__m256i));
     float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
@@ -267,7 +272,7 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_strips(int qtype,
                     off[i] = fmaf(sb[b * STRIP + i], xs, off[i]);
                 }
             }
-            finish_avx2(acc, off, rows, y + r * n + c0);
+            finish_avx2(acc, off, rows, y + r * n + c0, accumulate);
         }
     }
     free(codes);
@@ -276,9 +281,9 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_strips(int qtype,
 }
 
 static void rows_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
-                      const XBlock *xq, int64_t m, int64_t nb, float *y) {
-    if (m < STRIP) rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y);
-    else rows_avx2_strips(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y);
+                      const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    if (m < STRIP) rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
+    else rows_avx2_strips(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
 }
 
 static int cpu_has_avx2(void) {
@@ -293,7 +298,7 @@ static int cpu_has_avx2(void) { return 0; }
 
 /* A matmul's share of work: output features [n0, n1) of every row. */
 typedef struct {
-    int qtype, isa_avx2;
+    int qtype, isa_avx2, accumulate;
     const uint8_t *w;
     int64_t row_bytes, n, m, nb;
     const XBlock *xq;
@@ -338,11 +343,11 @@ static void matmul_part(const void *ctx, int part, int parts) {
     if (n0 >= n1) return;
 #if HAVE_X86
     if (j->isa_avx2) {
-        rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y);
+        rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         return;
     }
 #endif
-    rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y);
+    rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
 }
 
 static void run_part(int part) { job.fn(job.ctx, part, job.parts); }
@@ -631,6 +636,83 @@ static void attend_part(const void *ctx, int part, int parts) {
     free(scores);
 }
 
+/* ---- RoPE into the KV cache, and SwiGLU's gate ---- */
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);            /* round to nearest even */
+}
+
+/* Rows of a fused QKV output at positions pos..: q heads rotated into q_out [n, heads, hd] (float32);
+ * k heads rotated and v heads as they are, written as bfloat16 into the layer's caches at their
+ * positions. Rotation as the half-split rotary tables say: out[d] = x[d] cos[d] + x[(d + hd/2) % hd]
+ * ssin[d] (two products and a sum, no fused multiply-add). */
+typedef struct {
+    const float *qkv;
+    int64_t qkv_row, pos, n;
+    const float *cos, *ssin;  /* [positions, hd] */
+    int heads, kv_heads, hd;
+    float *q_out;
+    uint16_t *k, *v;
+    int64_t kv_head, kv_pos;
+} Rope;
+
+static inline void rotate(const float *x, const float *c, const float *s, int hd, float *out) {
+    int half = hd / 2;
+    for (int d = 0; d < hd; d++) {
+        float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * s[d];
+        out[d] = a + b;
+    }
+}
+
+static void rope_kv_run(const Rope *a) {
+    float tmp[512];
+    for (int64_t r = 0; r < a->n; r++) {
+        const float *row = a->qkv + r * a->qkv_row, *c = a->cos + (a->pos + r) * a->hd, *s = a->ssin + (a->pos + r) * a->hd;
+        for (int h = 0; h < a->heads; h++) rotate(row + h * a->hd, c, s, a->hd, a->q_out + (r * a->heads + h) * a->hd);
+        for (int g = 0; g < a->kv_heads; g++) {
+            uint16_t *kd = a->k + g * a->kv_head + (a->pos + r) * a->kv_pos, *vd = a->v + g * a->kv_head + (a->pos + r) * a->kv_pos;
+            const float *vs = row + (a->heads + a->kv_heads + g) * a->hd;
+            rotate(row + (a->heads + g) * a->hd, c, s, a->hd, tmp);
+            for (int d = 0; d < a->hd; d++) {
+                kd[d] = f32_to_bf16(tmp[d]);
+                vd[d] = f32_to_bf16(vs[d]);
+            }
+        }
+    }
+}
+
+/* out[r, i] = silu(g) * u for g = x[r, i], u = x[r, f + i]; silu(g) = g / (1 + exp(-g)). */
+static inline float exp_clamped(float x) { return exp_fixed(fminf(x, 88.0f)); }
+
+static void silu_mul_portable(const float *x, int64_t rows, int64_t f, float *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < f; i++) {
+            float g = x[r * 2 * f + i];
+            out[r * f + i] = (g / (1.0f + exp_clamped(-g))) * x[r * 2 * f + f + i];
+        }
+}
+
+#if HAVE_X86
+__attribute__((target("avx2,fma,f16c"))) static void silu_mul_avx2(const float *x, int64_t rows, int64_t f, float *out) {
+    __m256 one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps(88.0f), zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = 0;
+        for (; i + 8 <= f; i += 8) {
+            __m256 g = _mm256_loadu_ps(x + r * 2 * f + i), u = _mm256_loadu_ps(x + r * 2 * f + f + i);
+            __m256 e = exp8_avx2(_mm256_min_ps(_mm256_sub_ps(zero, g), top));
+            _mm256_storeu_ps(out + r * f + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+        }
+        for (; i < f; i++) {
+            float g = x[r * 2 * f + i];
+            out[r * f + i] = (g / (1.0f + exp_clamped(-g))) * x[r * 2 * f + f + i];
+        }
+    }
+}
+#endif
+
 static int read_longs(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *v, const char *name) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
@@ -641,6 +723,42 @@ static int read_longs(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, 
         if (v[i] == -1 && PyErr_Occurred()) return -1;
     }
     return 0;
+}
+
+/* rope_kv(qkv, qkv_row, pos, n, cos, ssin, heads, kv_heads, hd, q_out, k, v, kv_head, kv_pos) */
+static PyObject *py_rope_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[14];
+    if (read_longs(args, nargs, 14, v, "rope_kv") < 0) return NULL;
+    Rope a = {(const float *)(intptr_t)v[0], v[1], v[2], v[3], (const float *)(intptr_t)v[4],
+              (const float *)(intptr_t)v[5], (int)v[6], (int)v[7], (int)v[8], (float *)(intptr_t)v[9],
+              (uint16_t *)(intptr_t)v[10], (uint16_t *)(intptr_t)v[11], v[12], v[13]};
+    if (a.hd <= 0 || a.hd % 2 || a.hd > 512 || a.n < 0 || a.pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "rope_kv: head dim must be even and at most 512");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_kv_run(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* silu_mul(x, rows, f, out, portable) */
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[5];
+    if (read_longs(args, nargs, 5, v, "silu_mul") < 0) return NULL;
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    const float *x = (const float *)(intptr_t)v[0];
+    float *out = (float *)(intptr_t)v[3];
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+    if (use_avx2 && !v[4]) silu_mul_avx2(x, v[1], v[2], out);
+    else
+#endif
+        silu_mul_portable(x, v[1], v[2], out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 /* rms_norm(x_ptr, w_ptr, rows, cols, eps, y_ptr, portable) */
@@ -699,14 +817,14 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* ---- Python ---- */
 
-/* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, threads, portable) */
+/* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, threads, portable, accumulate) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "matmul takes 10 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "matmul takes 11 arguments");
         return NULL;
     }
-    long long v[10];
-    for (int i = 0; i < 10; i++) {
+    long long v[11];
+    for (int i = 0; i < 11; i++) {
         v[i] = PyLong_AsLongLong(args[i]);
         if (v[i] == -1 && PyErr_Occurred()) return NULL;
     }
@@ -721,7 +839,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!xq) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
     quantize_rows((const float *)(intptr_t)v[5], m, k, xq);
-    MatJob mj = {qtype, use_avx2 && !portable, (const uint8_t *)(intptr_t)v[1], row_bytes, n, m, k / QK, xq,
+    MatJob mj = {qtype, use_avx2 && !portable, (int)v[10], (const uint8_t *)(intptr_t)v[1], row_bytes, n, m, k / QK, xq,
                  (float *)(intptr_t)v[7]};
     Job j = {matmul_part, &mj, 1};
     run_job(&j, threads < 1 ? 1 : threads);
@@ -740,6 +858,8 @@ static PyMethodDef methods[] = {
     {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of float32 rows"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "causal attention over bfloat16 KV"},
+    {"rope_kv", (PyCFunction)(void (*)(void))py_rope_kv, METH_FASTCALL, "RoPE of q and k, k and v into the KV cache"},
+    {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, "silu(gate) * up"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -54,7 +54,7 @@ def divide_threads(threads: int, recipe) -> None:
         torch.set_num_threads(1)
     else:
         torch.set_num_threads(threads)
-LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; rms-norm and attention per row in _blocks.c; v1"
+LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; rms-norm, rope, silu and attention per row in _blocks.c; v1"
 
 
 def available(qtype: QT) -> bool:
@@ -92,16 +92,23 @@ class BlockWeight:
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> float32 [M, N]."""
+    def mm(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> float32 [M, N]; with `add_to` (float32 [M, N], contiguous) the product is
+        added into it, each element once, as `add_to + x @ W.T` rounds."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         m = x.shape[0]
         if x.shape[1] != self.in_features:
             raise ValueError(f"matmul of [{m}, {x.shape[1]}] with a [{self.out_features}, {self.in_features}] weight")
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        if add_to is None:
+            y = torch.empty(m, self.out_features, dtype=torch.float32)
+        elif add_to.shape != (m, self.out_features) or add_to.dtype != torch.float32 or not add_to.is_contiguous():
+            raise ValueError(f"cannot add a [{m}, {self.out_features}] product into {tuple(add_to.shape)} {add_to.dtype}")
+        else:
+            y = add_to
         KERNEL.matmul(int(self.qtype), self.data.data_ptr(), self.data.shape[1], self.out_features,
-                      self.in_features, x.data_ptr(), m, y.data_ptr(), _pool_threads(), int(self.portable))
+                      self.in_features, x.data_ptr(), m, y.data_ptr(), _pool_threads(), int(self.portable),
+                      int(add_to is not None))
         return y
 
 
@@ -139,9 +146,11 @@ def attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return KERNEL is not None and q.dtype == torch.float32 and keys.dtype == torch.bfloat16
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, portable: bool = False) -> torch.Tensor:
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, portable: bool = False,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [1, heads, n, hd] (positions pos..) over keys and values [1, kv heads,
-    pos + n, hd]: [1, heads, n, hd] float32, every row as a decode step computes it."""
+    pos + n, hd]: [1, heads, n, hd] float32, every row as a decode step computes it (written into
+    `out`, a contiguous float32 [n, heads * hd], when given)."""
     _, heads, n, hd = q.shape
     kv_heads = keys.shape[1]
     if q.stride(3) != 1:
@@ -150,8 +159,39 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
         keys, values = keys.contiguous(), values.contiguous()
     if keys.shape[2] < pos + n:
         raise ValueError(f"attention at positions {pos}..{pos + n - 1} over {keys.shape[2]} cached")
-    out = torch.empty(1, n, heads, hd, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(1, n, heads, hd, dtype=torch.float32)
+    elif out.shape != (n, heads * hd) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"attention output must be float32 [{n}, {heads * hd}], not {tuple(out.shape)}")
     KERNEL.attend(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(1),
                   keys.stride(2), heads, kv_heads, hd, pos, n, out.data_ptr(), int(portable), hd ** -0.5,
                   _pool_threads())
-    return out.transpose(1, 2)
+    return out.view(1, n, heads, hd).transpose(1, 2)
+
+
+def rope_kv(qkv: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
+            keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One session's rows of a fused QKV output (float32 [n, (heads + 2 kv heads) * hd], contiguous
+    rows) at positions pos..: its keys (rotated) and values go into the layer's caches `keys` and
+    `values` (bfloat16 [1, kv heads, capacity, hd]); its queries come back rotated, [1, heads, n, hd].
+    The rotation is `Rotary`'s tables' (x cos + roll(x) signed sin)."""
+    n, width = qkv.shape
+    hd = width // (heads + 2 * kv_heads)
+    if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or width != (heads + 2 * kv_heads) * hd:
+        raise ValueError(f"rope_kv: float32 rows of (heads + 2 kv heads) * head dim expected, not {tuple(qkv.shape)}")
+    if pos + n > min(cos.shape[0], keys.shape[2]) or keys.dtype != torch.bfloat16 or keys.stride() != values.stride():
+        raise ValueError(f"rope_kv: positions {pos}..{pos + n - 1} do not fit the tables or the cache")
+    q = torch.empty(n, heads, hd, dtype=torch.float32)
+    KERNEL.rope_kv(qkv.data_ptr(), qkv.stride(0), pos, n, cos.data_ptr(), signed_sin.data_ptr(), heads, kv_heads, hd,
+                   q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2))
+    return q.view(1, n, heads, hd).transpose(1, 2)
+
+
+def silu_mul(gate_up: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """SwiGLU's middle: float32 [M, 2F] (gate, then up) -> silu(gate) * up, [M, F]."""
+    if gate_up.dtype != torch.float32 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+        raise ValueError("silu_mul: contiguous float32 [M, 2F] expected")
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, f, dtype=torch.float32)
+    KERNEL.silu_mul(gate_up.data_ptr(), m, f, out.data_ptr(), int(portable))
+    return out

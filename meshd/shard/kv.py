@@ -66,6 +66,13 @@ class SessionKV:
         self.v[li, :, :, pos:end] = v
         return self.k[li, :, :, :end], self.v[li, :, :, :end]
 
+    def layer(self, li: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li's whole caches [1, kv heads, capacity, hd], for a kernel that writes positions
+        up to `end` in place (`reserve` made the room)."""
+        if end > self.capacity:
+            raise ValueError(f"positions up to {end} exceed the reserved {self.capacity}")
+        return self.k[li], self.v[li]
+
     def commit(self, end: int) -> None:
         self.length = end
 

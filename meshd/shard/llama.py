@@ -147,6 +147,8 @@ def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rota
                   li: int) -> torch.Tensor:
     """One decoder layer over x [1, R, hidden], the stacked positions of `rows`' sessions; appends
     to each session's KV layer li."""
+    if in_kernel(p):
+        return _layer_forward_blocks(p, x, cfg, rotary, rows, li)
     nh, nkv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, x.shape[1]
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
     qkv = rows.linear(h, p.wqkv, p.bqkv)
@@ -156,6 +158,32 @@ def layer_forward(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rota
     h = rms_norm(x, p.ffn_norm, cfg.norm_eps)
     gate, up = rows.linear(h, p.w_gate_up).chunk(2, dim=-1)
     return x + rows.linear(F.silu(gate) * up, p.w_down)
+
+
+def in_kernel(p: LlamaLayer) -> bool:
+    """Whether the whole layer runs in the block kernel (the native lane on Q4_0/Q4_1/Q8_0 weights)."""
+    return (isinstance(p.attn_norm, blocks.Norm) and p.bqkv is None
+            and all(isinstance(w, blocks.BlockWeight) for w in (p.wqkv, p.wo, p.w_gate_up, p.w_down)))
+
+
+def _layer_forward_blocks(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, rows: Rows,
+                          li: int) -> torch.Tensor:
+    """`layer_forward` as kernel calls (per row: the same bits whatever the batch): the norms, the
+    matmuls (the residual added inside the second and the last), RoPE straight into each session's
+    KV cache, attention per session, silu(gate) * up."""
+    nh, nkv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, x.shape[1]
+    y = x.reshape(r, x.shape[2]).to(torch.float32, copy=True).contiguous()
+    qkv = p.wqkv.mm(p.attn_norm.apply(y, cfg.norm_eps))
+    att = torch.empty(r, nh * hd, dtype=torch.float32)
+    for seg in rows.segments:
+        end = seg.position + seg.n
+        keys, values = seg.kv.layer(li, end)
+        q = blocks.rope_kv(qkv[seg.row:seg.row + seg.n], seg.position, rotary.cos, rotary.signed_sin, nh, nkv,
+                           keys, values)
+        blocks.attention(q, keys[:, :, :end], values[:, :, :end], seg.position, out=att[seg.row:seg.row + seg.n])
+    p.wo.mm(att, add_to=y)
+    p.w_down.mm(blocks.silu_mul(p.w_gate_up.mm(p.ffn_norm.apply(y, cfg.norm_eps))), add_to=y)
+    return y.view(1, r, -1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: int) -> torch.Tensor:

@@ -81,6 +81,13 @@ class Shard:
         return self.end == self.config.n_layers
 
     @property
+    def passes_equal_steps(self) -> bool:
+        """Whether a pass of many positions gives each one the bits its one-position step gives (every
+        layer runs in the block kernel, per row), so a replay may go in prefill-sized chunks."""
+        in_kernel = getattr(self.family, "in_kernel", None)
+        return bool(self.layers) and in_kernel is not None and all(in_kernel(layer) for layer in self.layers)
+
+    @property
     def owns(self) -> Owns:
         return Owns(embedding=self.is_head, final_norm=self.is_tail, lm_head=self.is_tail)
 
