@@ -179,3 +179,45 @@ def test_silu_mul_follows_torch_and_both_paths_agree():
     assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     if blocks.isa() != "portable":
         assert torch.equal(blocks.silu_mul(x, portable=True), y)
+
+
+def test_a_whole_layer_in_one_call_gives_the_bits_of_its_steps():
+    from types import SimpleNamespace
+
+    from meshd.shard.llama import Rotary
+
+    hidden, heads, kv_heads, hd, ffn = 128, 4, 2, 32, 96
+    rng = np.random.default_rng(5)
+
+    def w(rows, cols, qt=QT.Q4_1):
+        return blocks.BlockWeight.from_raw(qt, quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt), cols)
+
+    p = SimpleNamespace(attn_norm=blocks.Norm(torch.rand(hidden) + 0.5), ffn_norm=blocks.Norm(torch.rand(hidden) + 0.5),
+                        wqkv=w((heads + 2 * kv_heads) * hd, hidden), wo=w(hidden, heads * hd, QT.Q8_0),
+                        w_gate_up=w(2 * ffn, hidden, QT.Q4_0), w_down=w(hidden, ffn))
+    rot = Rotary(SimpleNamespace(head_dim=hd, rope_theta=10000.0), 64)
+    caches = [[torch.zeros(1, kv_heads, 16, hd, dtype=torch.bfloat16) for _ in range(2)] for _ in range(4)]
+    # two sessions in one batch: 3 rows at positions 0.. and 1 row at position 5 (its earlier keys random)
+    caches[1][0][:, :, :5], caches[1][1][:, :, :5] = torch.randn(1, kv_heads, 5, hd), torch.randn(1, kv_heads, 5, hd)
+    for a, b in zip(caches[3], caches[1]):
+        a.copy_(b)
+    x = torch.randn(4, hidden)
+    fused = blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                         [(0, 3, 0, *caches[0]), (3, 1, 5, *caches[1])])
+    y = x.clone()  # the same layer, step by step
+    qkv = p.wqkv.mm(p.attn_norm.apply(y, 1e-5))
+    att = torch.empty(4, heads * hd)
+    for row, n, pos, (keys, values) in ((0, 3, 0, caches[2]), (3, 1, 5, caches[3])):
+        q = blocks.rope_kv(qkv[row:row + n], pos, rot.cos, rot.signed_sin, heads, kv_heads, keys, values)
+        blocks.attention(q, keys[:, :, :pos + n], values[:, :, :pos + n], pos, out=att[row:row + n])
+    p.wo.mm(att, add_to=y)
+    p.w_down.mm(blocks.silu_mul(p.w_gate_up.mm(p.ffn_norm.apply(y, 1e-5))), add_to=y)
+    assert torch.equal(fused, y)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0] + caches[1], caches[2] + caches[3]))
+    if blocks.isa() != "portable":
+        again = blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                             [(0, 3, 0, *caches[0]), (3, 1, 5, *caches[1])], portable=True)
+        assert torch.equal(again, fused)
+    with pytest.raises(ValueError, match="do not fit"):
+        blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                     [(0, 4, 14, *caches[0])])

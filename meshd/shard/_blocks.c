@@ -806,20 +806,15 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* attend(q, q_row, q_head, k, v, kv_head, kv_pos, heads, kv_heads, hd, pos, n, out, portable, scale, threads) */
+/* attend(q, q_row, q_head, k, v, kv_head, kv_pos, heads, kv_heads, hd, pos, n, out, portable, threads);
+ * the scale is 1 / sqrt(hd) in float32 */
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[16];
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError, "attend takes 16 arguments");
-        return NULL;
-    }
-    if (read_longs(args, 14, 14, v, "attend") < 0 || read_longs(args + 15, 1, 1, v + 15, "attend") < 0) return NULL;
-    double scale = PyFloat_AsDouble(args[14]);
-    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    long long v[15];
+    if (read_longs(args, nargs, 15, v, "attend") < 0) return NULL;
     Attn a = {(const float *)(intptr_t)v[0], v[1], v[2], (const uint16_t *)(intptr_t)v[3],
               (const uint16_t *)(intptr_t)v[4], v[5], v[6], (int)v[7], (int)v[8], (int)v[9], v[10], v[11],
-              (float)scale, (float *)(intptr_t)v[12]};
+              1.0f / sqrtf((float)v[9]), (float *)(intptr_t)v[12]};
     if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads || a.hd <= 0 || a.hd % 8 || a.pos < 0 || a.n < 0) {
         PyErr_SetString(PyExc_ValueError, "attend: heads must be a multiple of kv heads and hd of 8");
         return NULL;
@@ -827,7 +822,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
     a.isa_avx2 = use_avx2 && !v[13];
     /* a decode step's few pairs are not worth waking the pool for */
-    int threads = a.n * (a.pos + a.n) * a.heads >= 4096 ? (int)v[15] : 1;
+    int threads = a.n * (a.pos + a.n) * a.heads >= 4096 ? (int)v[14] : 1;
     Job j = {attend_part, &a, 1};
     Py_BEGIN_ALLOW_THREADS
     run_job(&j, threads < 1 ? 1 : threads);
@@ -836,6 +831,24 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 /* ---- Python ---- */
+
+/* y = x @ W.T (or y += it), x quantized per row first; -1 when out of memory. */
+typedef struct {
+    int qtype;
+    const uint8_t *w;
+    int64_t row_bytes, n, k;
+} WRef;
+
+static int matmul_c(const WRef *wr, const float *x, int64_t m, float *y, int threads, int isa, int accumulate) {
+    XBlock *xq = malloc((size_t)(m * (wr->k / QK) + 1) * sizeof(XBlock));
+    if (!xq) return -1;
+    quantize_rows(x, m, wr->k, xq);
+    MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, wr->k / QK, xq, y};
+    Job j = {matmul_part, &mj, 1};
+    run_job(&j, threads < 1 ? 1 : threads);
+    free(xq);
+    return 0;
+}
 
 /* matmul(qtype, w_ptr, row_bytes, n, k, x_ptr, m, y_ptr, threads, portable, accumulate) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -855,16 +868,113 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
-    XBlock *xq = malloc((size_t)(m * (k / QK) + 1) * sizeof(XBlock));
-    if (!xq) return PyErr_NoMemory();
+    WRef wr = {qtype, (const uint8_t *)(intptr_t)v[1], row_bytes, n, k};
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    quantize_rows((const float *)(intptr_t)v[5], m, k, xq);
-    MatJob mj = {qtype, use_avx2 && !portable, (int)v[10], (const uint8_t *)(intptr_t)v[1], row_bytes, n, m, k / QK, xq,
-                 (float *)(intptr_t)v[7]};
-    Job j = {matmul_part, &mj, 1};
-    run_job(&j, threads < 1 ? 1 : threads);
+    rc = matmul_c(&wr, (const float *)(intptr_t)v[5], m, (float *)(intptr_t)v[7], threads, use_avx2 && !portable,
+                  (int)v[10]);
     Py_END_ALLOW_THREADS
-    free(xq);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* A whole Llama decoder layer over R rows, in place on y [R, H] (float32, the residual stream):
+ * y += o(attention(rope(qkv(norm(y))))), then y += down(silu(gate) * up)(norm(y)), each step the
+ * kernel's own per-row function above, so the result is the bits the steps give one by one.
+ * segments: int64 [S, 7] = (first row, rows, first position, k cache, v cache, kv head stride,
+ * kv position stride) per session. */
+static int layer_c(float *y, int64_t R, int64_t H, float eps, const float *attn_w, const float *ffn_w,
+                   const WRef *wqkv, const WRef *wo, const WRef *wgu, const WRef *wdown, const float *cos,
+                   const float *ssin, int nh, int nkv, int hd, const int64_t *seg, int64_t S, int threads,
+                   int isa) {
+    int64_t nq = wqkv->n, na = (int64_t)nh * hd, f = wdown->k;
+    float *h = malloc(sizeof(float) * R * H), *qkv = malloc(sizeof(float) * R * nq);
+    float *q = malloc(sizeof(float) * R * na), *att = malloc(sizeof(float) * R * na);
+    float *gu = malloc(sizeof(float) * R * 2 * f), *act = malloc(sizeof(float) * R * f);
+    int rc = -1;
+    if (!h || !qkv || !q || !att || !gu || !act) goto done;
+#if HAVE_X86
+#define NORM(x, w, out) (isa ? rms_norm_avx2(x, w, R, H, eps, out) : rms_norm_portable(x, w, R, H, eps, out))
+#define SILU(x, out) (isa ? silu_mul_avx2(x, R, f, out) : silu_mul_portable(x, R, f, out))
+#else
+#define NORM(x, w, out) rms_norm_portable(x, w, R, H, eps, out)
+#define SILU(x, out) silu_mul_portable(x, R, f, out)
+#endif
+    NORM(y, attn_w, h);
+    if (matmul_c(wqkv, h, R, qkv, threads, isa, 0) < 0) goto done;
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t *g = seg + 7 * i;
+        int64_t row = g[0], n = g[1], pos = g[2];
+        Rope rp = {qkv + row * nq, nq, pos, n, cos, ssin, nh, nkv, hd, q + row * na, (uint16_t *)(intptr_t)g[3],
+                   (uint16_t *)(intptr_t)g[4], g[5], g[6]};
+        rope_kv_run(&rp);
+        Attn a = {q + row * na, na, hd, (const uint16_t *)(intptr_t)g[3], (const uint16_t *)(intptr_t)g[4], g[5], g[6],
+                  nh, nkv, hd, pos, n, 1.0f / sqrtf((float)hd), att + row * na, isa};
+        Job j = {attend_part, &a, 1};
+        run_job(&j, n * (pos + n) * nh >= 4096 ? threads : 1);
+    }
+    if (matmul_c(wo, att, R, y, threads, isa, 1) < 0) goto done;
+    NORM(y, ffn_w, h);
+    if (matmul_c(wgu, h, R, gu, threads, isa, 0) < 0) goto done;
+    SILU(gu, act);
+    if (matmul_c(wdown, act, R, y, threads, isa, 1) < 0) goto done;
+#undef NORM
+#undef SILU
+    rc = 0;
+done:
+    free(h);
+    free(qkv);
+    free(q);
+    free(att);
+    free(gu);
+    free(act);
+    return rc;
+}
+
+static int read_wref(PyObject *const *args, WRef *w, int64_t k) {
+    long long v[4];
+    if (read_longs(args, 4, 4, v, "layer") < 0) return -1;
+    *w = (WRef){(int)v[0], (const uint8_t *)(intptr_t)v[1], v[2], v[3], k};
+    if (block_bytes(w->qtype) == 0 || k % QK || w->row_bytes != k / QK * block_bytes(w->qtype)) {
+        PyErr_SetString(PyExc_ValueError, "layer: a weight's block type or sizes do not fit");
+        return -1;
+    }
+    return 0;
+}
+
+/* layer(y, R, H, eps, attn_norm, ffn_norm, wqkv x4, wo x4, wgu x4, wdown x4, cos, ssin, nh, nkv, hd,
+ *       segments, S, threads, portable); each weight as (qtype, data, row bytes, out features) */
+static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 31) {
+        PyErr_SetString(PyExc_TypeError, "layer takes 31 arguments");
+        return NULL;
+    }
+    long long a[3], b[2], c[9];
+    double eps = PyFloat_AsDouble(args[3]);
+    if ((eps == -1.0 && PyErr_Occurred()) || read_longs(args, 3, 3, a, "layer") < 0 ||
+        read_longs(args + 4, 2, 2, b, "layer") < 0 || read_longs(args + 22, 9, 9, c, "layer") < 0)
+        return NULL;
+    int64_t R = a[1], H = a[2];
+    int nh = (int)c[2], nkv = (int)c[3], hd = (int)c[4];
+    WRef wqkv, wo, wgu, wdown;
+    if (read_wref(args + 6, &wqkv, H) < 0 || read_wref(args + 10, &wo, (int64_t)nh * hd) < 0 ||
+        read_wref(args + 14, &wgu, H) < 0)
+        return NULL;
+    if (read_wref(args + 18, &wdown, wgu.n / 2) < 0) return NULL;
+    if (nh <= 0 || nkv <= 0 || nh % nkv || hd % 8 || hd > 512 || wqkv.n != (int64_t)(nh + 2 * nkv) * hd ||
+        wo.n != H || wdown.n != H || wgu.n % 2 || R < 0) {
+        PyErr_SetString(PyExc_ValueError, "layer: the weights' shapes do not make a Llama layer");
+        return NULL;
+    }
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    int rc, threads = c[7] < 1 ? 1 : (int)c[7];
+    Py_BEGIN_ALLOW_THREADS
+    rc = layer_c((float *)(intptr_t)a[0], R, H, (float)eps, (const float *)(intptr_t)b[0], (const float *)(intptr_t)b[1],
+                 &wqkv, &wo, &wgu, &wdown, (const float *)(intptr_t)c[0], (const float *)(intptr_t)c[1], nh, nkv, hd,
+                 (const int64_t *)(intptr_t)c[5], c[6], threads, use_avx2 && !c[8]);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -876,6 +986,7 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "y = x @ W.T over GGUF blocks"},
     {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
+    {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL, "a whole Llama decoder layer, in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of float32 rows"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "causal attention over bfloat16 KV"},
     {"rope_kv", (PyCFunction)(void (*)(void))py_rope_kv, METH_FASTCALL, "RoPE of q and k, k and v into the KV cache"},

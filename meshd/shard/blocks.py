@@ -164,8 +164,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
     elif out.shape != (n, heads * hd) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"attention output must be float32 [{n}, {heads * hd}], not {tuple(out.shape)}")
     KERNEL.attend(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(1),
-                  keys.stride(2), heads, kv_heads, hd, pos, n, out.data_ptr(), int(portable), hd ** -0.5,
-                  _pool_threads())
+                  keys.stride(2), heads, kv_heads, hd, pos, n, out.data_ptr(), int(portable), _pool_threads())
     return out.view(1, n, heads, hd).transpose(1, 2)
 
 
@@ -195,3 +194,33 @@ def silu_mul(gate_up: torch.Tensor, portable: bool = False) -> torch.Tensor:
     out = torch.empty(m, f, dtype=torch.float32)
     KERNEL.silu_mul(gate_up.data_ptr(), m, f, out.data_ptr(), int(portable))
     return out
+
+
+def layer_args(p) -> tuple:
+    """A Llama layer's weights as `layer` takes them (each: block type, data, row bytes, out features)."""
+    def ref(w: BlockWeight) -> tuple:
+        return (int(w.qtype), w.data.data_ptr(), w.data.shape[1], w.out_features)
+
+    return (p.attn_norm.weight.data_ptr(), p.ffn_norm.weight.data_ptr(),
+            *ref(p.wqkv), *ref(p.wo), *ref(p.w_gate_up), *ref(p.w_down))
+
+
+def layer(y: torch.Tensor, weights: tuple, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
+          kv_heads: int, head_dim: int, segments: list[tuple[int, int, int, torch.Tensor, torch.Tensor]],
+          portable: bool = False) -> torch.Tensor:
+    """A whole Llama decoder layer in place on y (float32 [R, hidden], contiguous): the bits of its
+    steps one by one (norm, qkv, RoPE into each session's cache, attention, o + residual, norm,
+    gate/up, silu * up, down + residual). `weights` from `layer_args`; `segments` per session:
+    (first row, rows, first position, its layer's keys, its layer's values) with the caches
+    bfloat16 [1, kv heads, capacity, hd] and room for the positions."""
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.ndim != 2:
+        raise ValueError("layer: y must be contiguous float32 [rows, hidden]")
+    table = []
+    for row, n, pos, keys, values in segments:
+        if pos + n > min(keys.shape[2], cos.shape[0]) or keys.dtype != torch.bfloat16 or keys.stride() != values.stride():
+            raise ValueError(f"layer: positions {pos}..{pos + n - 1} do not fit the tables or the cache")
+        table.append((row, n, pos, keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2)))
+    seg = torch.tensor(table, dtype=torch.int64)
+    KERNEL.layer(y.data_ptr(), y.shape[0], y.shape[1], float(eps), *weights, cos.data_ptr(), signed_sin.data_ptr(),
+                 heads, kv_heads, head_dim, seg.data_ptr(), len(table), _pool_threads(), int(portable))
+    return y

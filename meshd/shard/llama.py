@@ -28,6 +28,7 @@ class LlamaLayer:
     ffn_norm: torch.Tensor
     w_gate_up: Weight
     w_down: Weight
+    kernel_args: tuple | None = None  # the weights as the block kernel's `layer` takes them (built once)
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -168,22 +169,16 @@ def in_kernel(p: LlamaLayer) -> bool:
 
 def _layer_forward_blocks(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, rows: Rows,
                           li: int) -> torch.Tensor:
-    """`layer_forward` as kernel calls (per row: the same bits whatever the batch): the norms, the
-    matmuls (the residual added inside the second and the last), RoPE straight into each session's
-    KV cache, attention per session, silu(gate) * up."""
-    nh, nkv, hd, r = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, x.shape[1]
-    y = x.reshape(r, x.shape[2]).to(torch.float32, copy=True).contiguous()
-    qkv = p.wqkv.mm(p.attn_norm.apply(y, cfg.norm_eps))
-    att = torch.empty(r, nh * hd, dtype=torch.float32)
-    for seg in rows.segments:
-        end = seg.position + seg.n
-        keys, values = seg.kv.layer(li, end)
-        q = blocks.rope_kv(qkv[seg.row:seg.row + seg.n], seg.position, rotary.cos, rotary.signed_sin, nh, nkv,
-                           keys, values)
-        blocks.attention(q, keys[:, :, :end], values[:, :, :end], seg.position, out=att[seg.row:seg.row + seg.n])
-    p.wo.mm(att, add_to=y)
-    p.w_down.mm(blocks.silu_mul(p.w_gate_up.mm(p.ffn_norm.apply(y, cfg.norm_eps))), add_to=y)
-    return y.view(1, r, -1)
+    """`layer_forward` as one kernel call (per row: the same bits whatever the batch): the norms, the
+    matmuls (the residual added inside the o and down ones), RoPE straight into each session's KV
+    cache, attention per session, silu(gate) * up."""
+    y = x.reshape(x.shape[1], x.shape[2]).to(torch.float32, copy=True)
+    if p.kernel_args is None:
+        p.kernel_args = blocks.layer_args(p)
+    segments = [(s.row, s.n, s.position, *s.kv.layer(li, s.position + s.n)) for s in rows.segments]
+    blocks.layer(y, p.kernel_args, cfg.norm_eps, rotary.cos, rotary.signed_sin, cfg.n_heads, cfg.n_kv_heads,
+                 cfg.head_dim, segments)
+    return y.view(1, x.shape[1], -1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: int) -> torch.Tensor:
