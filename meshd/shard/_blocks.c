@@ -340,7 +340,10 @@ static int pool_size = 0;          /* workers started (the caller is one more) *
 static int use_avx2 = -1;
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
-static const double SPIN_S = 200e-6; /* how long an idle worker spins before it sleeps */
+/* how long an idle worker spins before it sleeps: between the matmuls of a layer (one kernel call) and
+ * between layers a few microseconds pass; longer waits (the network, sampling) are not worth a core
+ * spinning, least of all on a box that several daemons share */
+static const double SPIN_S = 50e-6;
 
 static double now_s(void) {
     struct timespec t;
