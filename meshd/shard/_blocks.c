@@ -641,6 +641,18 @@ __attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, 
 }
 #endif
 
+/* RMSNorm on the path the caller picked (the same bits either way; silu_mul_on likewise). */
+static void rms_norm_on(int isa, const float *x, const float *w, int64_t rows, int64_t cols, float eps, float *y) {
+#if HAVE_X86
+    if (isa) {
+        rms_norm_avx2(x, w, rows, cols, eps, y);
+        return;
+    }
+#endif
+    (void)isa;
+    rms_norm_portable(x, w, rows, cols, eps, y);
+}
+
 /* A thread's share of the (row, head) pairs; pairs never depend on each other. */
 static void attend_part(const void *ctx, int part, int parts) {
     const Attn *a = ctx;
@@ -736,6 +748,17 @@ __attribute__((target("avx2,fma,f16c"))) static void silu_mul_avx2(const float *
 }
 #endif
 
+static void silu_mul_on(int isa, const float *x, int64_t rows, int64_t f, float *out) {
+#if HAVE_X86
+    if (isa) {
+        silu_mul_avx2(x, rows, f, out);
+        return;
+    }
+#endif
+    (void)isa;
+    silu_mul_portable(x, rows, f, out);
+}
+
 static int read_longs(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *v, const char *name) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
@@ -775,11 +798,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     const float *x = (const float *)(intptr_t)v[0];
     float *out = (float *)(intptr_t)v[3];
     Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (use_avx2 && !v[4]) silu_mul_avx2(x, v[1], v[2], out);
-    else
-#endif
-        silu_mul_portable(x, v[1], v[2], out);
+    silu_mul_on(use_avx2 && !v[4], x, v[1], v[2], out);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -800,11 +819,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     const float *x = (const float *)(intptr_t)v[0], *w = (const float *)(intptr_t)v[1];
     float *y = (float *)(intptr_t)v[4];
     Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (use_avx2 && !v[5]) rms_norm_avx2(x, w, v[2], v[3], (float)eps, y);
-    else
-#endif
-        rms_norm_portable(x, w, v[2], v[3], (float)eps, y);
+    rms_norm_on(use_avx2 && !v[5], x, w, v[2], v[3], (float)eps, y);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -896,14 +911,7 @@ static int layer_c(float *y, int64_t R, int64_t H, float eps, const float *attn_
     float *gu = malloc(sizeof(float) * R * 2 * f), *act = malloc(sizeof(float) * R * f);
     int rc = -1;
     if (!h || !qkv || !q || !att || !gu || !act) goto done;
-#if HAVE_X86
-#define NORM(x, w, out) (isa ? rms_norm_avx2(x, w, R, H, eps, out) : rms_norm_portable(x, w, R, H, eps, out))
-#define SILU(x, out) (isa ? silu_mul_avx2(x, R, f, out) : silu_mul_portable(x, R, f, out))
-#else
-#define NORM(x, w, out) rms_norm_portable(x, w, R, H, eps, out)
-#define SILU(x, out) silu_mul_portable(x, R, f, out)
-#endif
-    NORM(y, attn_w, h);
+    rms_norm_on(isa, y, attn_w, R, H, eps, h);
     if (matmul_c(wqkv, h, R, qkv, threads, isa, 0) < 0) goto done;
     for (int64_t i = 0; i < S; i++) {
         const int64_t *g = seg + 7 * i;
@@ -917,12 +925,10 @@ static int layer_c(float *y, int64_t R, int64_t H, float eps, const float *attn_
         run_job(&j, n * (pos + n) * nh >= 4096 ? threads : 1);
     }
     if (matmul_c(wo, att, R, y, threads, isa, 1) < 0) goto done;
-    NORM(y, ffn_w, h);
+    rms_norm_on(isa, y, ffn_w, R, H, eps, h);
     if (matmul_c(wgu, h, R, gu, threads, isa, 0) < 0) goto done;
-    SILU(gu, act);
+    silu_mul_on(isa, gu, R, f, act);
     if (matmul_c(wdown, act, R, y, threads, isa, 1) < 0) goto done;
-#undef NORM
-#undef SILU
     rc = 0;
 done:
     free(h);
