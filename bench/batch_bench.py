@@ -24,8 +24,8 @@ import statistics
 import threading
 import time
 
-from meshd.ctl import Connection, fetch_status, new_request_id
-from meshd.localmesh import Mesh
+from meshd.cli.ctl import Connection, fetch_status, new_request_id
+from meshd.testing.localmesh import Mesh
 from meshd.testing.cgroup import open_cpu_cgroup
 from meshd.wire import GenerateRequest
 

@@ -177,7 +177,7 @@ def worker_transformers(prompts: list[list[int]], n: int) -> dict:
 
 
 def worker_daemon(texts: list[str], n: int) -> dict:
-    from meshd.localmesh import Mesh, ctl
+    from meshd.testing.localmesh import Mesh, ctl
     from meshd.shard.artifact import open_artifact
     from meshd.shard.tokenizer import load_tokenizer
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from meshd.localmesh import Mesh, read_rest
+from meshd.testing.localmesh import Mesh, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed
 from meshd.testing.netswitch import LinkSpec
@@ -31,7 +31,7 @@ PROMPT = "The capital of France is"
 
 
 def start_generation(home, tokens: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(home.socket), "generate",
+    return subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(home.socket), "generate",
                              "--max-tokens", str(tokens), "--ignore-eos", "--stats", PROMPT],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from meshd.ctl import EXIT_BUSY
-from meshd.localmesh import Mesh
+from meshd.cli.ctl import EXIT_BUSY
+from meshd.testing.localmesh import Mesh
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
@@ -20,7 +20,7 @@ N = 24
 
 
 def start(args: list[str], prompt: str, tokens: int = N, sampling: tuple = ()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshd.ctl", *args, "generate", "--max-tokens", str(tokens),
+    return subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", *args, "generate", "--max-tokens", str(tokens),
                              "--ignore-eos", "--stats", *sampling, prompt], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 from meshd.dht.coverage import CoverageMap, choose_range
 from meshd.dht.record import CoverageRecord, RecordError, best_index, open_record, record_key, sign_record
 from meshd.dht.validator import CoverageValidator
-from meshd.routing.plan import DEFAULT_LATENCY, NoRoute, link_latency, plan_route
+from meshd.entry.route import DEFAULT_LATENCY, NoRoute, link_latency, plan_route
 
 
 def keypair():

@@ -3,18 +3,18 @@
 import subprocess
 import sys
 
-from meshd.ctl import load_line
+from meshd.cli.ctl import load_line
 
 
 def test_meshctl_imports_no_event_loop_no_libp2p_no_torch():
-    code = ("import sys, meshd.ctl; heavy = [m for m in ('trio', 'libp2p', 'torch', 'transformers') if m in sys.modules];"
+    code = ("import sys, meshd.cli.ctl; heavy = [m for m in ('trio', 'libp2p', 'torch', 'transformers') if m in sys.modules];"
             " print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_meshctl_without_a_daemon_exits_3_quickly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(tmp_path / "none.sock"), "status"],
+    out = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(tmp_path / "none.sock"), "status"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 3 and "no daemon socket" in out.stderr
 

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from meshd.localmesh import Mesh, ctl
+from meshd.testing.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time"
 
 
 def start_generation(socket, tokens: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(socket), "generate", "--max-tokens",
+    return subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(socket), "generate", "--max-tokens",
                              str(tokens), "--ignore-eos", "--stats", PROMPT],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

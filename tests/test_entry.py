@@ -4,7 +4,7 @@ blamed for a stall, and that generations never share it."""
 import pytest
 import trio
 
-from meshd.gen import SILENT_S, Attempt, HopFailed, Microbatches, LinkErrors, Progress
+from meshd.entry.generation import SILENT_S, Attempt, HopFailed, Microbatches, LinkErrors, Progress
 from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Phase, Token
 
 SID = b"s" * 16
@@ -151,7 +151,7 @@ async def test_a_busy_error_is_not_a_failure(autojump_clock):
 async def test_keepalive_pings_only_hops_not_heard_from_lately(autojump_clock):
     """A hop whose answer arrived within the heartbeat period is alive: no ping for it (at many
     sessions pings were as many frames as the tokens); a quiet hop is still pinged every period."""
-    from meshd.gen import HEARTBEAT_S
+    from meshd.entry.generation import HEARTBEAT_S
 
     class CountingHop(FakeHop):
         def __init__(self) -> None:

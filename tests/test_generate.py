@@ -12,7 +12,7 @@ import pytest
 from meshd.shard.artifact import open_artifact
 from meshd.shard.reference import load_reference, reference_greedy
 from meshd.shard.tokenizer import load_tokenizer
-from meshd.localmesh import Mesh, ctl, read_rest
+from meshd.testing.localmesh import Mesh, ctl, read_rest
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
@@ -64,7 +64,7 @@ def test_greedy_through_the_mesh_equals_transformers(mesh3, expected):
 
 def test_four_concurrent_generations_equal_their_solo_results(mesh3, expected):
     a = mesh3.daemons[0]
-    procs = [subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate",
+    procs = [subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "generate",
                                "--max-tokens", str(N), p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for p in PROMPTS]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -75,7 +75,7 @@ def test_four_concurrent_generations_equal_their_solo_results(mesh3, expected):
 
 def test_client_that_disconnects_leaves_no_kv_on_any_hop(mesh3):
     a = mesh3.daemons[0]
-    proc = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate",
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "generate",
                              "--max-tokens", "1000", "--ignore-eos", "Tell me a long story."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.read(1)  # the stream has started: every hop holds KV now
@@ -101,7 +101,7 @@ def test_bad_input_on_a_shard_stream_gets_a_clear_error_and_hurts_nothing(mesh3,
     from libp2p.peer.id import ID
 
     from meshd import wire as w
-    from meshd.gen import SHARD_PROTOCOL
+    from meshd.wire.protocols import SHARD_PROTOCOL
     from meshd.p2p.channel import Channel
     from meshd.p2p.host import connect, open_host
 
@@ -145,7 +145,7 @@ def disrupted_run(disrupt, prompt: str, tokens: int, after_chars: int = 1):
     try:
         # records outlive the disruption here: these tests are about the entry's reaction, not expiry
         a, b1, b2, c = m.start_chain([(0, 10), (10, 20), (10, 20), (20, 30)], env={"MESHD_RECORD_TTL": "30"})
-        args = [sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--max-tokens",
+        args = [sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "generate", "--max-tokens",
                 str(tokens), "--ignore-eos", "--stats", prompt]
         solo = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert solo.returncode == 0, solo.stderr

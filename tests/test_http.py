@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.localmesh import Mesh, ctl
+from meshd.testing.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
@@ -116,21 +116,21 @@ def test_a_request_id_follows_the_generation_into_every_hops_log(mesh):
 
 def test_meshctl_chat_keeps_a_conversation_and_ends_on_ctrl_d(mesh):
     m, a, b, c = mesh
-    out = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "chat", "--max-tokens", "12"],
+    out = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "chat", "--max-tokens", "12"],
                          input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("you> ") == 3  # two turns answered, then the EOF prompt
     # the first turn is the chat-templated answer to the question alone (the native lane answers as
     # llama.cpp does on this file: "L'Étoile, la Marseillaise,"; the exact lane says Paris)
-    alone = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "generate", "--chat",
+    alone = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "generate", "--chat",
                             "--max-tokens", "12", "What is the capital of France?"], capture_output=True, text=True,
                            timeout=120)
     assert alone.returncode == 0 and alone.stdout.strip()
     assert out.stdout.startswith("you> " + alone.stdout.strip()), (out.stdout, alone.stdout)
     second = out.stdout.split("you> ")[2].strip()
     assert second and second != alone.stdout.strip()  # the second turn answered the second question
-    proc = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(a.socket), "chat"],
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "chat"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.5)
     proc.send_signal(signal.SIGINT)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 SCRIPT = """
-from meshd.log import setup_logging
+from meshd.node.log import setup_logging
 setup_logging("INFO", json=True)
 from libp2p.kad_dht import kad_dht  # imported after the setup, as the daemon does
 kad_dht.logger.warning("Failed to read DHT message from stream: ")

@@ -3,7 +3,7 @@ and a vanished peer's range turning into a gap within its record's TTL."""
 
 import trio
 
-from meshd.mesh import COVERAGE_INTERVAL, ROUND_TIMEOUT, MeshView
+from meshd.dht.view import COVERAGE_INTERVAL, ROUND_TIMEOUT, MeshView
 from meshd.testing.dhtnet import open_swarm
 
 TTL_S = 4.0

@@ -174,9 +174,9 @@ def test_smollm2_native_memory_follows_the_file(smollm2):
 
 
 def test_moe_layer_bytes_count_every_expert_and_auto_takes_the_largest_layer(tmp_path):
-    from meshd.compute import ComputeExecutor
-    from meshd.daemon import Daemon
-    from meshd.settings import Settings
+    from meshd.node.compute import ComputeExecutor
+    from meshd.node.daemon import Daemon
+    from meshd.node.settings import Settings
 
     model = tiny_models.tiny_qwen3(moe=True)
     art = open_artifact(tiny_models.write_qwen3_gguf(model, tmp_path / "m.gguf", qtype=QT.Q4_0))

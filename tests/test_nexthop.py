@@ -5,13 +5,13 @@ import numpy as np
 import trio
 import trio.testing
 
-from meshd.nexthop import NextHop, NextHops
+from meshd.hop.links import NextHop, NextHops
 from meshd.p2p.channel import Channel
-from meshd.serve import ShardService
-from meshd.shard.endpoint import ShardEndpoint, token_frame
+from meshd.hop.service import ShardService
+from meshd.hop.endpoint import ShardEndpoint, token_frame
 from meshd.shard.recipe import NATIVE
 from meshd.shard.runtime import Shard
-from meshd.shard.scheduler import Scheduler
+from meshd.hop.scheduler import Scheduler
 from meshd.wire import (MAX_BATCH_FRAMES, Decoder, Error, ErrorCode, Forward, ForwardBatch, OpenSession, Opened,
                         Phase, Tensor, Token)
 from tests.test_service import artifact, compute  # noqa: F401 (fixtures: a tiny Q4_0 llama, a compute thread)
@@ -233,7 +233,7 @@ def test_a_batch_after_other_frames_on_one_stream_is_answered(artifact, compute)
 def test_a_pass_waits_briefly_for_frames_said_to_be_on_their_way(artifact, compute):
     """The entry's tokens come back one stream at a time: a pass waits (at most DUE_WAIT_S) for
     the sessions `expect`ed, and not again for one that never came."""
-    from meshd.serve import DUE_WAIT_S
+    from meshd.hop.service import DUE_WAIT_S
 
     sids = [bytes([k + 1]) * 16 for k in range(3)]
 
@@ -262,7 +262,7 @@ def test_a_pass_waits_briefly_for_frames_said_to_be_on_their_way(artifact, compu
 def test_a_pass_waits_for_every_token_of_a_tail_pass_to_come_back(artifact, compute):
     """The tail says how many tokens of its pass go to this entry: the entry's next pass waits for
     the steps all of them bring, though they come back one by one (within DUE_WAIT_S)."""
-    from meshd.serve import DUE_WAIT_S
+    from meshd.hop.service import DUE_WAIT_S
 
     sids = [bytes([k + 1]) * 16 for k in range(3)]
     gap = DUE_WAIT_S / 8

@@ -158,7 +158,7 @@ class FakeDaemon:
 async def test_a_serving_daemon_moves_only_after_the_gap_persisted_and_not_again_within_the_cooldown(autojump_clock):
     import trio
 
-    from meshd.rebalancer import Rebalancer
+    from meshd.dht.rebalancer import Rebalancer
 
     me = rec("pB", 12, 22)
     gap = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), me)

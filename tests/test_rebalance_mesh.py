@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from meshd.localmesh import Mesh, ctl
+from meshd.testing.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 ENV = {"MESHD_RECORD_TTL": "8", "MESHD_MOVE_COOLDOWN": "30"}
@@ -83,11 +83,11 @@ def test_a_move_lets_the_running_generation_finish_on_the_old_range():
         args = ["generate", "--max-tokens", "600", "--ignore-eos", "Once upon a time"]
         solo = ctl(m.socket, args, timeout=300)
         assert solo.returncode == 0, solo.stderr
-        running = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(m.socket), *args],
+        running = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(m.socket), *args],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = running.stdout.read(1)
         assert first and m.status()["sessions"] == 1
-        drain = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(c.socket), "drain"],
+        drain = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(c.socket), "drain"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         st = m.wait_for(lambda s: s["moved"].startswith("0:10 -> 20:30"), timeout=60, what="the move")
         assert running.poll() is None, "the generation ended before the move: make it longer"

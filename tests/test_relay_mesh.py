@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshd.localmesh import Mesh, ctl, read_rest
+from meshd.testing.localmesh import Mesh, ctl, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 from meshd.testing.netswitch import LinkSpec
@@ -93,7 +93,7 @@ def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and
                 h.wait_for(lambda s: relayed_everywhere(2)(s)
                            and {r["peer_id"] for r in s["relay"]["client"]["relays"]} == {ids[0], ids[1]},
                            timeout=150, what="reservations at pub0 and pub1")
-            proc = subprocess.Popen([sys.executable, "-m", "meshd.ctl", "--socket", str(homes[0].socket), "generate",
+            proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(homes[0].socket), "generate",
                                      "--max-tokens", str(TOKENS * 2), "--stats", PROMPT],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:

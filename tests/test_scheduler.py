@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.shard.scheduler import QueueFull, Scheduler
+from meshd.hop.scheduler import QueueFull, Scheduler
 
 
 def run(sched, batch):

@@ -4,13 +4,13 @@ and past its bounds it answers `busy` at once."""
 import pytest
 import trio
 
-from meshd.compute import ComputeExecutor
-from meshd.serve import ShardService
+from meshd.node.compute import ComputeExecutor
+from meshd.hop.service import ShardService
 from meshd.shard.artifact import open_artifact
-from meshd.shard.endpoint import ShardEndpoint, token_frame
+from meshd.hop.endpoint import ShardEndpoint, token_frame
 from meshd.shard.recipe import NATIVE
 from meshd.shard.runtime import Shard
-from meshd.shard.scheduler import Scheduler
+from meshd.hop.scheduler import Scheduler
 from meshd.wire import Close, Error, ErrorCode, OpenSession, Opened, Phase, Token
 from tests import tiny_models
 

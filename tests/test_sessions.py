@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from meshd.shard.artifact import open_artifact
-from meshd.shard.endpoint import ShardEndpoint, token_frame
+from meshd.hop.endpoint import ShardEndpoint, token_frame
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded, KVStore
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import Sampler, SamplingParams

@@ -2,9 +2,9 @@
 
 import pytest
 
-from meshd.compute import ComputeExecutor
-from meshd.daemon import Daemon
-from meshd.settings import Settings, default_socket, load_settings
+from meshd.node.compute import ComputeExecutor
+from meshd.node.daemon import Daemon
+from meshd.node.settings import Settings, default_socket, load_settings
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import get_recipe
 

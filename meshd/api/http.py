@@ -20,9 +20,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from meshd.api import openai
-from meshd.gen import GenerationError
-from meshd.log import get_logger
-from meshd.metrics import ended_normally
+from meshd.entry.generation import GenerationError
+from meshd.node.log import get_logger
+from meshd.api.metrics import ended_normally
 from meshd.wire import ErrorCode, StreamEvent
 
 MAX_BODY = 1 << 20

@@ -26,7 +26,7 @@ from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, PeerId, Re
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from meshd.log import get_logger
+from meshd.node.log import get_logger
 from meshd.relay.policy import CIRCUIT, RelayLedger, RelayLimits, parse_circuit
 
 HOP_PROTOCOL = TProtocol("/libp2p/circuit/relay/0.2.0/hop")

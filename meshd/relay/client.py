@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import trio
 from libp2p.peer.id import ID
 
-from meshd.log import get_logger
+from meshd.node.log import get_logger
 from meshd.relay.circuit import Reserved, reserve
 from meshd.relay.policy import circuit_addr
 

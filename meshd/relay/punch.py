@@ -20,7 +20,7 @@ import time
 import trio
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, RELAY_CLOSE_GRACE_PERIOD, DCUtRProtocol
 
-from meshd.log import get_logger
+from meshd.node.log import get_logger
 from meshd.relay.circuit import is_relayed
 
 DIAL_TIMEOUT = 2

@@ -15,7 +15,7 @@ from typing import Hashable
 
 import torch
 
-from meshd.log import get_logger
+from meshd.node.log import get_logger
 from meshd.shard import gpt2, llama, qwen3
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap

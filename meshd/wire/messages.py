@@ -148,7 +148,7 @@ class OpenSession(Message):
     # empty: back to the sender (the entry relays them)
     next_peer: str = ""
     next_addrs: str = ""
-    # only frames of sessions in the same microbatch share a forward pass (see meshd/shard/scheduler.py)
+    # only frames of sessions in the same microbatch share a forward pass (see meshd/hop/scheduler.py)
     microbatch: int = 0
 
 

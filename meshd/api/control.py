@@ -16,8 +16,9 @@ from pathlib import Path
 import structlog
 import trio
 
-from meshd.gen import GEN_PROTOCOL, GenerationError
-from meshd.log import get_logger
+from meshd.entry.generation import GenerationError
+from meshd.wire.protocols import GEN_PROTOCOL
+from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import DrainRequest, ErrorCode, GenerateRequest, StatusRequest, StreamEvent, WireError
 

@@ -22,19 +22,17 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import trio
-from libp2p.custom_types import TProtocol
 
-from meshd.log import get_logger
-from meshd.nexthop import Links
+from meshd.node.log import get_logger
+from meshd.hop.links import Links
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.routing.plan import link_latency, NoRoute, Route, plan_route
-from meshd.shard.endpoint import token_frame
+from meshd.entry.route import link_latency, NoRoute, Route, plan_route
+from meshd.hop.endpoint import token_frame
+from meshd.wire.protocols import SHARD_PROTOCOL
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
 from meshd.wire import (Close, Error, ErrorCode, Forward, GenerateRequest, Heartbeat, Message, OpenSession, Opened,
                         Phase, StreamEvent, Token, WireError, chunk_spans)
 
-SHARD_PROTOCOL = TProtocol("/meshd/shard/1.0.0")
-GEN_PROTOCOL = TProtocol("/meshd/gen/1.0.0")
 OPEN_TIMEOUT = 30.0
 STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
 REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
@@ -290,7 +288,7 @@ class Microbatches:
     """How many generations run in each microbatch. A new generation takes the least used of the first
     n, so that n groups move down the route apart: while one group computes at a daemon, the others
     are at other daemons (or on the wire), and a daemon has a pass to run while work waits elsewhere
-    (see meshd/shard/scheduler.py)."""
+    (see meshd/hop/scheduler.py)."""
 
     def __init__(self) -> None:
         self.used: dict[int, int] = {}
@@ -340,7 +338,7 @@ class Attempt:
 
     async def link_first_hop(self, addrs) -> None:
         """Send the entry's own outputs to the first hop the way hops send theirs: with those of the
-        other generations of the same pass, as one frame on one link (see `meshd/nexthop.py`). A
+        other generations of the same pass, as one frame on one link (see `meshd/hop/links.py`). A
         link that breaks reports here, as an Error from the first hop."""
         peer = self.hops[0][0]
         try:

@@ -1,7 +1,7 @@
 """`meshd demo`: three daemons on loopback split SmolLM2, then a streamed generation through them.
 
 Rule: the demo is what a newcomer runs first, so it uses only the public commands (`meshd join`,
-`meshctl`) through the same process helper the tests use (`meshd.localmesh`), shows what happens,
+`meshctl`) through the same process helper the tests use (`meshd.testing.localmesh`), shows what happens,
 and stops every process it started, by PID, whatever happens.
 """
 
@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from meshd.localmesh import Mesh, ctl
+from meshd.testing.localmesh import Mesh, ctl
 
 SPLIT = [(0, 10), (10, 20), (20, 30)]
 
@@ -31,7 +31,7 @@ def run_demo(args) -> int:
         entry = mesh.start_chain(SPLIT, extra=["--model", args.model, "--threads", str(threads)])[0]
         print(ctl(entry.socket, ["status"]).stdout, file=sys.stderr)
         say(f"generating through the mesh: {args.prompt!r}")
-        gen = subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(entry.socket), "generate", "--chat",
+        gen = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(entry.socket), "generate", "--chat",
                               "--stats", "--max-tokens", str(args.max_tokens), args.prompt],
                              stderr=subprocess.PIPE, text=True, timeout=600)
         if gen.returncode != 0:

@@ -5,7 +5,7 @@ reading every stream; the Forward frames of all sessions waiting at once share o
 session's hidden states go straight to the next hop when the entry names one this daemon can reach
 (one transfer a hop a token), its tokens and errors to the stream it was opened on. The outputs of
 one pass that go to the same next daemon leave as one `ForwardBatch` on a link shared by all those
-sessions (`meshd/nexthop.py`), and a `ForwardBatch` that arrives is submitted whole at once, so
+sessions (`meshd/hop/links.py`), and a `ForwardBatch` that arrives is submitted whole at once, so
 what one hop computed together the next computes together. A stream's
 sessions are released when the stream ends, however it ends, so a vanished entry never leaves KV
 behind; every failure goes back as an `Error` frame.
@@ -20,13 +20,13 @@ from typing import Awaitable, Callable
 import structlog
 import trio
 
-from meshd.compute import ComputeExecutor
-from meshd.gen import SHARD_PROTOCOL
-from meshd.log import get_logger
-from meshd.nexthop import Links, NextHop, NextHops
+from meshd.node.compute import ComputeExecutor
+from meshd.wire.protocols import SHARD_PROTOCOL
+from meshd.node.log import get_logger
+from meshd.hop.links import Links, NextHop, NextHops
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.shard.endpoint import ShardEndpoint
-from meshd.shard.scheduler import QueueFull, Scheduler, Work
+from meshd.hop.endpoint import ShardEndpoint
+from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message,
                         OpenSession, Opened, Phase, Token, UnsupportedVersion, WireError)
 

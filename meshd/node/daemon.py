@@ -23,33 +23,34 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.api.http import HttpApi, check_bind, serve_http
-from meshd.compute import ComputeExecutor
-from meshd.control import ControlServer
+from meshd.node.compute import ComputeExecutor
+from meshd.api.control import ControlServer
 from meshd.dht.coverage import choose_range
 from meshd.dht.kad import MeshDHT
 from meshd.dht.record import CoverageRecord, first_seq
-from meshd.gen import GEN_PROTOCOL, SHARD_PROTOCOL, Entry
-from meshd.log import get_logger
-from meshd.mesh import MeshView
-from meshd.metrics import Metrics
+from meshd.entry.generation import Entry
+from meshd.wire.protocols import GEN_PROTOCOL, SHARD_PROTOCOL
+from meshd.node.log import get_logger
+from meshd.dht.view import MeshView
+from meshd.api.metrics import Metrics
 from meshd.p2p.channel import Channel
 from meshd.p2p.race import race
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
-from meshd.rebalancer import Rebalancer
+from meshd.dht.rebalancer import Rebalancer
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
 from meshd.relay.client import RelayCandidate, RelayClient
 from meshd.relay.punch import HolePuncher
 from meshd.relay.policy import is_circuit, parse_circuit, relay_of, split_addrs
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
-from meshd.serve import ShardService
-from meshd.settings import Settings
+from meshd.hop.service import ShardService
+from meshd.node.settings import Settings
 from meshd.shard.artifact import open_artifact
-from meshd.shard.endpoint import ShardEndpoint
+from meshd.hop.endpoint import ShardEndpoint
 from meshd.shard.footprint import check_fits, layer_bytes, rss_bytes, trim_heap, weight_bytes
 from meshd.shard import blocks
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
-from meshd.shard.scheduler import Scheduler
+from meshd.hop.scheduler import Scheduler
 
 DRAIN_POLL_S = 0.2
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers

@@ -91,7 +91,7 @@ def read_rest(stream) -> tuple[str, float]:
 
 
 def ctl(socket: Path, args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshd.ctl", "--socket", str(socket), *args],
+    return subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(socket), *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

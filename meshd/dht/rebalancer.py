@@ -20,7 +20,7 @@ import time
 import trio
 
 from meshd.dht.rebalance import Move, own_move
-from meshd.log import get_logger
+from meshd.node.log import get_logger
 from meshd.shard.footprint import MemoryRefused, weight_bytes
 
 SETTLE_S = (0.5, 2.0)  # random wait before re-checking a fresh claim

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
-from meshd.shard.endpoint import ShardEndpoint, token_frame
+from meshd.hop.endpoint import ShardEndpoint, token_frame
 from meshd.shard.recipe import Recipe, get_recipe
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import SamplingParams

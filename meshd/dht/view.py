@@ -22,7 +22,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.kad import KadWalker
 from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
-from meshd.log import get_logger
+from meshd.node.log import get_logger
 
 COVERAGE_INTERVAL = 1.0  # a round that reads only pushed records costs no network traffic
 LOOKUP_TIMEOUT = 3.0  # a lookup through the DHT

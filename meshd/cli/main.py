@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshd.log import setup_logging
+from meshd.node.log import setup_logging
 
 RECIPE_CHOICES = ["auto", "native", "exact", "compact"]  # meshd.shard.recipe.CHOICES, without importing torch
 
@@ -87,19 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         if args.command == "join":
-            from meshd.daemon import run_daemon
+            from meshd.node.daemon import run_daemon
             from dataclasses import fields
 
-            from meshd.settings import Settings, load_settings
+            from meshd.node.settings import Settings, load_settings
 
             flags = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
             return run_daemon(load_settings(flags, args.config))
         if args.command == "demo":
-            from meshd.demo import run_demo
+            from meshd.cli.demo import run_demo
 
             return run_demo(args)
         if args.command == "local":
-            from meshd.local import run_local
+            from meshd.cli.local import run_local
 
             return run_local(args)
     except KeyboardInterrupt:

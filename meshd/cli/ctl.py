@@ -23,7 +23,7 @@ import socket as stdlib_socket
 import sys
 from pathlib import Path
 
-from meshd.settings import default_socket, default_state_dir
+from meshd.node.settings import default_socket, default_state_dir
 from meshd.wire import Decoder, DrainRequest, GenerateRequest, StatusRequest, WireError, encode
 
 EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED, EXIT_BUSY = 3, 4, 5, 6
