@@ -4,7 +4,10 @@ blamed for a stall, and that generations never share it."""
 import pytest
 import trio
 
-from meshd.entry.generation import SILENT_S, Attempt, HopFailed, Microbatches, LinkErrors, Progress
+from meshd.entry.attempt import SILENT_S, Attempt, LinkErrors
+from meshd.entry.errors import HopFailed
+from meshd.entry.microbatch import Microbatches
+from meshd.entry.state import Generation
 from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Phase, Token
 
 SID = b"s" * 16
@@ -35,7 +38,7 @@ def forward(step: int = 1) -> Forward:
 
 
 async def test_the_hop_holding_an_unanswered_frame_is_blamed(autojump_clock):
-    at, other = Attempt(None, Progress(), SID, 0), Attempt(None, Progress(), b"t" * 16, 0)
+    at, other = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0), Attempt(None, Generation(ids=[1], max_tokens=8), b"t" * 16, 0)
     a, b = FakeHop(), FakeHop()
     at.add_hop("A", a)
     at.add_hop("B", b)
@@ -52,12 +55,12 @@ async def test_the_hop_holding_an_unanswered_frame_is_blamed(autojump_clock):
         assert failed.value.peer_id == "B"  # the stall is at B, not at A
         await b.answers_in.send(Token(session_id=SID, epoch=0, step=1, token_id=42))
         assert await at.next_token(2.0) == 42 and at.pending == {"A": 0, "B": 0}
-        assert other.pending == {"C": 0} and other.progress.wait_s == 0  # nothing leaked into another generation
+        assert other.pending == {"C": 0} and other.generation.wait_s == 0  # nothing leaked into another generation
         nursery.cancel_scope.cancel()
 
 
 async def test_an_error_frame_fails_its_hop_at_once(autojump_clock):
-    at = Attempt(None, Progress(), SID, 0)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0)
     a = FakeHop()
     at.add_hop("A", a)
     await a.answers_in.send(Error(code=ErrorCode.UNKNOWN_SESSION, message="evicted"))
@@ -68,7 +71,7 @@ async def test_an_error_frame_fails_its_hop_at_once(autojump_clock):
 async def one_hop_step(hop: FakeHop, answer_after: float | None):
     """Send one frame to a single hop; it answers after `answer_after` seconds (never if None).
     Returns the token or the HopFailed, and the (mock) seconds it took."""
-    at = Attempt(None, Progress(), SID, 0)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0)
     at.add_hop("H", hop)
     result = None
     async with trio.open_nursery() as nursery:
@@ -102,7 +105,7 @@ async def test_a_frozen_hop_is_failed_after_a_second_of_silence(autojump_clock):
 
 async def test_forwarding_hops_hold_a_frame_until_the_tail_answers(autojump_clock):
     """A forwards to B itself: the entry sends to A, the token comes from B; a broken A->B link blames B."""
-    at = Attempt(None, Progress(), SID, 0)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0)
     a, b = FakeHop(echo=True), FakeHop(echo=True)
     at.add_hop("A", a, forwards=True)
     at.add_hop("B", b)
@@ -115,7 +118,7 @@ async def test_forwarding_hops_hold_a_frame_until_the_tail_answers(autojump_cloc
         assert await at.next_token(5.0) == 9 and at.pending == {"A": 0, "B": 0}
         nursery.cancel_scope.cancel()
 
-    at = Attempt(None, Progress(), SID, 1)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 1)
     at.add_hop("A", a, forwards=True)
     at.add_hop("B", b)
     await a.answers_in.send(Error(code=ErrorCode.NEXT_HOP_FAILED, message="reset", session_id=SID))
@@ -126,7 +129,7 @@ async def test_forwarding_hops_hold_a_frame_until_the_tail_answers(autojump_cloc
 
 async def test_outputs_sent_on_the_link_are_held_by_the_segment_and_a_broken_link_fails_the_first_hop(
         autojump_clock):
-    at = Attempt(None, Progress(), SID, 0)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0)
     a, b = FakeHop(echo=True), FakeHop(echo=True)
     at.add_hop("A", a, forwards=True)
     at.add_hop("B", b)
@@ -139,7 +142,7 @@ async def test_outputs_sent_on_the_link_are_held_by_the_segment_and_a_broken_lin
 
 
 async def test_a_busy_error_is_not_a_failure(autojump_clock):
-    at = Attempt(None, Progress(), SID, 0)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0)
     a = FakeHop()
     at.add_hop("A", a)
     await a.answers_in.send(Error(code=ErrorCode.BUSY, message="queue full", retriable=True, retry_after_s=0.3))
@@ -151,7 +154,7 @@ async def test_a_busy_error_is_not_a_failure(autojump_clock):
 async def test_keepalive_pings_only_hops_not_heard_from_lately(autojump_clock):
     """A hop whose answer arrived within the heartbeat period is alive: no ping for it (at many
     sessions pings were as many frames as the tokens); a quiet hop is still pinged every period."""
-    from meshd.entry.generation import HEARTBEAT_S
+    from meshd.entry.attempt import HEARTBEAT_S
 
     class CountingHop(FakeHop):
         def __init__(self) -> None:
@@ -162,7 +165,7 @@ async def test_keepalive_pings_only_hops_not_heard_from_lately(autojump_clock):
             self.pings += isinstance(msg, Heartbeat)
             await super().send(msg)
 
-    at = Attempt(None, Progress(), SID, 0)
+    at = Attempt(None, Generation(ids=[1], max_tokens=8), SID, 0)
     a, b = CountingHop(), CountingHop()
     at.add_hop("A", a, forwards=True)
     at.add_hop("B", b)

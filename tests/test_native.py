@@ -174,9 +174,7 @@ def test_smollm2_native_memory_follows_the_file(smollm2):
 
 
 def test_moe_layer_bytes_count_every_expert_and_auto_takes_the_largest_layer(tmp_path):
-    from meshd.node.compute import ComputeExecutor
-    from meshd.node.daemon import Daemon
-    from meshd.node.settings import Settings
+    from meshd.dht.placement import largest_layer_bytes
 
     model = tiny_models.tiny_qwen3(moe=True)
     art = open_artifact(tiny_models.write_qwen3_gguf(model, tmp_path / "m.gguf", qtype=QT.Q4_0))
@@ -191,9 +189,7 @@ def test_moe_layer_bytes_count_every_expert_and_auto_takes_the_largest_layer(tmp
         assert moe == q4 * 20 // 18 + f32  # Q4_0's 18 bytes a block become 16 of codes, a scale and a zero
     held = Shard(art, 0, 1, NATIVE).weight_bytes - art.stored_bytes("token_embd.weight")  # the head holds the table
     assert held == moe  # all four experts are held
-    d = Daemon(Settings(), ComputeExecutor())
-    d.artifact, d.recipe = art, NATIVE
-    assert d._layer_bytes() == moe
+    assert largest_layer_bytes(art, NATIVE) == moe
 
 
 def test_a_gguf_without_a_tokenizer_is_refused_clearly_at_the_head(tmp_path):

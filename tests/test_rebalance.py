@@ -151,7 +151,10 @@ class FakeMesh:
 
 class FakeDaemon:
     def __init__(self, mesh):
-        self.mesh, self.state = mesh, "serving"
+        from meshd.node.lifecycle import Lifecycle, State
+
+        self.mesh, self.lifecycle = mesh, Lifecycle()
+        self.lifecycle.to(State.SERVING)
         self.settings = type("S", (), {"move_cooldown": 60.0})()
 
 

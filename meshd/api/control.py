@@ -16,15 +16,14 @@ from pathlib import Path
 import structlog
 import trio
 
-from meshd.entry.generation import GenerationError
+from meshd.entry.errors import GenerationError
+from meshd.entry.handoff import hand_off
 from meshd.wire.protocols import GEN_PROTOCOL
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import DrainRequest, ErrorCode, GenerateRequest, StatusRequest, StreamEvent, WireError
 
 REQUEST_TIMEOUT = 30.0
-FORWARD_EVENT_TIMEOUT = 120.0
-FORWARD_TRIES = 3  # entries tried for one forwarded request
 log = get_logger(__name__)
 
 
@@ -85,8 +84,8 @@ class ControlServer:
     async def _drain(self, channel: Channel, msg: DrainRequest) -> None:
         """Drain (and with `exit`, then stop); answers with the status once nothing runs here."""
         d = self.daemon
-        if d.state not in ("serving", "draining"):
-            await channel.send(error_event(msg.request_id, ErrorCode.BUSY, f"this daemon is {d.state}, not serving"))
+        if not d.lifecycle.accepts_generations:
+            await channel.send(error_event(msg.request_id, ErrorCode.BUSY, f"this daemon is {d.lifecycle}, not serving"))
             return
         if msg.exit:
             d.request_stop("meshctl drain --exit")
@@ -146,64 +145,16 @@ class ControlServer:
 
     async def _generate(self, req: GenerateRequest, emit) -> dict:
         d = self.daemon
-        if d.state not in ("serving", "draining"):
-            raise GenerationError(ErrorCode.BUSY, f"this daemon is {d.state}, not serving yet")
+        if not d.lifecycle.accepts_generations:
+            raise GenerationError(ErrorCode.BUSY, f"this daemon is {d.lifecycle}, not serving yet")
         d.active_generations += 1
         try:
-            if d.entry is not None and d.state == "serving":  # a draining entry passes new work on
-                return await d.entry.generate(req, emit)
-            return await self._forward(req, emit)
+            entry = d.entry
+            if entry is not None and d.lifecycle.takes_new_work:  # a draining entry passes new work on
+                return await entry.generate(req, emit)
+            return await hand_off(req, emit, d.choose_entry, d.open_stream)
         finally:
             d.active_generations -= 1
-
-    async def _forward(self, req: GenerateRequest, emit) -> dict:
-        """Forward to an entry; one that cannot be reached or refuses before any text (its record can
-        lag behind it: an entry that just stopped) is passed over for another, up to FORWARD_TRIES."""
-        tried: set[str] = set()
-        while True:
-            entry = self.daemon.find_entry(exclude=tried)
-            if entry is None:
-                raise GenerationError(ErrorCode.NO_ROUTE, "no live daemon serves layer 0 (no entry point)")
-            texts = []
-
-            async def passed_on(event: StreamEvent) -> None:
-                texts.append(event)
-                await emit(event)
-
-            try:
-                return await self._forward_to(entry, req, passed_on)
-            except GenerationError as exc:
-                tried.add(entry.peer_id)
-                if texts or exc.code not in (ErrorCode.HOP_FAILED, ErrorCode.BUSY) or len(tried) >= FORWARD_TRIES:
-                    raise
-                log.info("entry failed; trying another", entry=entry.peer_id[-8:], error=str(exc))
-
-    async def _forward_to(self, entry, req: GenerateRequest, emit) -> dict:
-        d = self.daemon
-        try:
-            with trio.fail_after(REQUEST_TIMEOUT):
-                stream = await d.open_stream(entry.peer_id, entry.dial_addrs, GEN_PROTOCOL)
-        except Exception as exc:
-            raise GenerationError(ErrorCode.HOP_FAILED, f"entry {entry.peer_id[-8:]} unreachable: {exc}") from None
-        remote = Channel.over_libp2p(stream, str(GEN_PROTOCOL))
-        try:
-            await remote.send(req)
-            while True:
-                try:
-                    event = await remote.receive(FORWARD_EVENT_TIMEOUT)
-                except (ChannelClosed, trio.TooSlowError, WireError) as exc:
-                    raise GenerationError(ErrorCode.HOP_FAILED, f"entry stream failed: {exc}") from None
-                if event.kind == "text":
-                    await emit(event)
-                elif event.kind == "done":
-                    stats = dict(event.stats)
-                    stats["forwarded_to"] = entry.peer_id
-                    return stats
-                else:
-                    raise GenerationError(event.stats.get("code", ErrorCode.HOP_FAILED), event.text)
-        finally:
-            with trio.CancelScope(shield=True):
-                await remote.aclose()
 
 
 def error_event(request_id: int, code: str, message: str) -> StreamEvent:

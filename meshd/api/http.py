@@ -20,7 +20,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from meshd.api import openai
-from meshd.entry.generation import GenerationError
+from meshd.entry.errors import GenerationError
 from meshd.node.log import get_logger
 from meshd.api.metrics import ended_normally
 from meshd.wire import ErrorCode, StreamEvent
@@ -53,8 +53,9 @@ class HttpApi:
             return await self._json(send, 401, openai.error_body("missing or wrong bearer token",
                                                                  "authentication_error", "invalid_api_key"))
         if method == "GET" and path == "/healthz":
-            serving = self.daemon.state == "serving"
-            return await self._json(send, 200 if serving else 503, {"status": "ok" if serving else self.daemon.state})
+            serving = self.daemon.lifecycle.takes_new_work
+            return await self._json(send, 200 if serving else 503,
+                                    {"status": "ok" if serving else str(self.daemon.lifecycle)})
         if method == "GET" and path == "/metrics":
             body, ctype = self.metrics.exposition()
             return await self._send(send, 200, body, ctype)

@@ -73,3 +73,33 @@ def plan_moves(coverage: CoverageMap) -> list[Move]:
 def own_move(coverage: CoverageMap, peer_id: str) -> Move | None:
     """This peer's line of the plan, if it has one."""
     return next((m for m in plan_moves(coverage) if m.peer_id == peer_id), None)
+
+
+@dataclass
+class Persistence:
+    """The hysteresis of a serving daemon's moves: a move is made only once the plan has named this
+    daemon with the same target in `rounds` rounds in a row, over at least `min_s` seconds (a
+    record TTL: a starved peer can miss a refresh and look dead for a moment). Fed one plan a
+    round (`observe`), with the time; no clock of its own."""
+
+    rounds: int
+    min_s: float
+    streak: int = 0
+    aim: tuple[int, int] | None = None
+    since: float = 0.0
+
+    def observe(self, move: Move | None, now: float) -> Move | None:
+        """This round's line of the plan; the move to make now, or None."""
+        if move is None:
+            self.reset()
+            return None
+        if move.to != self.aim:
+            self.streak, self.aim, self.since = 0, move.to, now
+        self.streak += 1
+        if self.streak < self.rounds or now - self.since < self.min_s:
+            return None
+        self.streak = 0
+        return move
+
+    def reset(self) -> None:
+        self.streak, self.aim = 0, None

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Protocol
 
 import trio
 
-from meshd.dht.rebalance import Move, own_move
+from meshd.dht.rebalance import Move, Persistence, own_move
+from meshd.dht.view import MeshView
 from meshd.node.log import get_logger
 from meshd.shard.footprint import MemoryRefused, weight_bytes
 
@@ -32,8 +34,25 @@ DRAIN_POLL_S = 0.2
 log = get_logger(__name__)
 
 
+class Placed(Protocol):
+    """What the rebalancer needs of its daemon (`meshd/node/daemon.py` implements it)."""
+
+    mesh: MeshView
+    settings: object  # move_cooldown, drain_timeout, memory
+    lifecycle: object  # takes_new_work
+    slot: object  # the serving slot: shard.start, shard.end, service
+    artifact: object
+    recipe: object
+
+    def fit(self, start: int, end: int) -> tuple[int, int]: ...
+    async def open_range(self, start: int, end: int): ...
+    def switch_to(self, slot): ...
+    def live_fields(self) -> dict: ...
+    async def forget(self) -> None: ...
+
+
 class Rebalancer:
-    def __init__(self, daemon, want: int) -> None:
+    def __init__(self, daemon: Placed, want: int) -> None:
         self.daemon = daemon
         self.want = want  # layers this daemon serves when it chooses (its record's auto_layers)
         self.cooldown_until = 0.0  # trio time
@@ -52,70 +71,65 @@ class Rebalancer:
             move = own_move(self.mesh.coverage, self.mesh.peer_id)
             if move is None:
                 break
-            start, end = self.daemon._fit(*move.to)
+            start, end = self.daemon.fit(*move.to)
             log.info("claim moved", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
             await self.mesh.publish(start=start, end=end)
         return self.mesh.record.start, self.mesh.record.end
 
     async def run(self) -> None:
-        """While serving: apply this daemon's line of the plan, with hysteresis."""
-        streak, aim, since = 0, None, 0.0
+        """While serving: apply this daemon's line of the plan, with hysteresis (`Persistence`)."""
+        persist = Persistence(PERSIST_ROUNDS, self.mesh.ttl_s)
         while True:
             await trio.sleep(REBALANCE_PERIOD_S)
-            if self.daemon.state != "serving" or trio.current_time() < self.cooldown_until:
-                streak, aim = 0, None
+            if not self.daemon.lifecycle.takes_new_work or trio.current_time() < self.cooldown_until:
+                persist.reset()
                 continue
             if self.mesh.record.auto_layers == 0:  # the cooldown is over: take part in plans again
                 await self.mesh.publish(auto_layers=self.want)
-            move = own_move(self.mesh.coverage, self.mesh.peer_id)
+            move = persist.observe(own_move(self.mesh.coverage, self.mesh.peer_id), trio.current_time())
             if move is None:
-                streak, aim = 0, None
                 continue
-            if move.to != aim:
-                streak, aim, since = 0, move.to, trio.current_time()
-            streak += 1
-            if streak < PERSIST_ROUNDS or trio.current_time() - since < self.mesh.ttl_s:
-                continue
-            streak = 0
+            aim = move.to
             await trio.sleep(random.uniform(*MOVE_JITTER_S))
             await self.mesh.refresh()
             move = own_move(self.mesh.coverage, self.mesh.peer_id)
-            if move is not None and move.to == aim and self.daemon.state == "serving":
+            if move is not None and move.to == aim and self.daemon.lifecycle.takes_new_work:
                 await self.move(move)
 
     async def move(self, move: Move) -> None:
         """Serve `move.to` instead of this daemon's range: load, switch, announce, then free the old."""
         d = self.daemon
-        start, end = d._fit(*move.to)
+        start, end = d.fit(*move.to)
         self.moving = move
         self.cooldown_until = trio.current_time() + d.settings.move_cooldown
         log.info("moving", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
         try:
-            both = sum(weight_bytes(d.artifact, d.recipe, *r) for r in ((d.shard.start, d.shard.end), (start, end)))
+            now = (d.slot.shard.start, d.slot.shard.end)
+            both = sum(weight_bytes(d.artifact, d.recipe, *r) for r in (now, (start, end)))
             if d.settings.memory and both > d.settings.memory:
                 raise MemoryRefused(f"both ranges need {both / 1e6:.0f} MB for a moment, more than --memory allows")
-            loaded = await d._open_shard(start, end)
+            loaded = await d.open_range(start, end)
         except Exception as exc:  # no memory for a second shard, most likely: stay, and out of plans for a while
             log.warning("move failed; staying", layers=f"{start}:{end}", error=str(exc) or type(exc).__name__)
             self.moving = None
             await self.mesh.publish(auto_layers=0)  # so that another daemon is named for the gap meanwhile
             return
-        old = d.service
-        d._install(loaded)
-        old.draining = True  # its streams' sessions finish; new sessions come to the new shard
-        await self.mesh.publish(start=start, end=end, serving=True, auto_layers=0, **d._live_fields())
+        old = d.switch_to(loaded)
+        old.service.retired = True  # its streams' sessions finish; new sessions come to the new shard
+        await self.mesh.publish(start=start, end=end, serving=True, auto_layers=0, **d.live_fields())
         self.last_move = {"from": [move.start, move.end], "to": [start, end], "at": time.time(),
                           "reason": move.reason}
         self.moving = None
         log.info("moved", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
         t0 = time.monotonic()
+        sessions = old.service.endpoint.sessions
         with trio.move_on_after(d.settings.drain_timeout):
-            while old.endpoint.sessions:
+            while sessions:
                 await trio.sleep(DRAIN_POLL_S)
-        log.info("old range freed", layers=f"{move.start}:{move.end}", left_sessions=len(old.endpoint.sessions),
+        log.info("old range freed", layers=f"{move.start}:{move.end}", left_sessions=len(sessions),
                  seconds=round(time.monotonic() - t0, 2))
         del old
-        await d.compute.run(d._forget_shard)
+        await d.forget()
 
     def summary(self) -> str:
         """The `moved` line of `meshctl status` ("" before the first move)."""

@@ -112,3 +112,21 @@ def _gaps(served: list[int], start: int) -> list[tuple[int, int]]:
             out.append((run, layer))
             run = None
     return out
+
+
+def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed: set[str] = frozenset(),
+                busy: set[str] = frozenset()) -> tuple[Route, bool]:
+    """A route from layer `start` around the hops that failed and those that are full; and whether it
+    had to try a failed hop again because no other covers its layers (a broken stream is not always a
+    dead peer; a generation's bounded attempts stop a hop that keeps failing). A full hop is never
+    retried: `NoRoute` then, which the caller waits on."""
+    try:
+        return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id}), False
+    except NoRoute:
+        if not failed:
+            raise
+        try:
+            return plan_route(coverage, start, latency=latency, exclude=set(busy) | {own_id}), True
+        except NoRoute:
+            pass
+        raise

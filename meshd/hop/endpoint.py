@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from meshd.hop.admission import TYPICAL_LENGTH, Capacity
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import Sampler, SamplingParams
@@ -71,21 +72,21 @@ class ShardEndpoint:
             self.promised.pop(key, None)
         return evicted
 
+    def capacity(self) -> Capacity:
+        return Capacity(len(self.sessions), self.max_sessions, sum(self.promised.values()), self.shard.kv.budget_bytes)
+
     def admit(self, key: tuple[bytes, int], need: int) -> str | None:
-        """Why a new session needing `need` KV bytes cannot be taken now, or None if it can."""
+        """Why a new session needing `need` KV bytes cannot be taken now (sessions idle past their
+        TTL evicted first), or None if it can."""
         if key in self.sessions:
             return None  # reopened: it replaces itself
-        if len(self.sessions) >= self.max_sessions:
+        if self.capacity().refusal(need) is not None:
             self.evict_expired()
-        if len(self.sessions) >= self.max_sessions:
-            return f"this shard serves {len(self.sessions)} sessions, its limit"
-        budget = self.shard.kv.budget_bytes
-        if sum(self.promised.values()) + need > budget:
-            self.evict_expired()
-        if sum(self.promised.values()) + need > budget:
-            return (f"its KV budget ({budget} bytes) is promised to {len(self.sessions)} sessions;"
-                    f" this one needs {need}")
-        return None
+        return self.capacity().refusal(need)
+
+    def free_sessions(self) -> int:
+        """Sessions of a typical length (`TYPICAL_LENGTH` positions) that would be admitted now."""
+        return self.capacity().free_sessions(self.shard.kv.bytes_for(TYPICAL_LENGTH))
 
     def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),

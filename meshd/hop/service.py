@@ -61,7 +61,7 @@ class ShardService:
         self._step_done = trio.Event()
         self.links: dict[tuple[bytes, int], Links] = {}  # where each session's outputs go
         self.forwarded = 0  # frames sent straight to a next hop
-        self.draining = False  # leaving the mesh: sessions from other daemons are refused
+        self.retired = False  # no new sessions from other daemons: its daemon leaves, or moved to another range
         self.due: set[tuple[bytes, int]] = set()  # sessions whose next frame is on its way (`expect`)
         self._groups: dict[tuple, list] = {}  # (peer, pass id) -> [tokens not yet come, until when they are waited for]
         self._arrived = trio.Event()  # set by each submit while a pass waits for due frames
@@ -81,8 +81,8 @@ class ShardService:
     async def open_linked(self, msg: OpenSession, home: Channel) -> list[Message]:
         """Open a session whose tokens and errors go to `home`, and whose hidden states go straight
         to the next hop when the sender names one and this daemon can reach it (else back home).
-        A draining daemon refuses as busy, so the entry picks another route at once."""
-        if self.draining:
+        A retired service refuses as busy, so the entry picks another route at once."""
+        if self.retired:
             self.endpoint.refused += 1
             return [Error(code=ErrorCode.BUSY, message="draining: this daemon is leaving the mesh", retriable=True,
                           request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
@@ -100,6 +100,13 @@ class ShardService:
                 log.info("next hop unreachable, outputs go back to the sender", peer=msg.next_peer[-8:],
                          error=f"{type(exc).__name__}: {exc}")
         return [replace(replies[0], forwarding=links.next is not None)]
+
+    async def forward_outputs(self, key: tuple[bytes, int], peer: str, addrs, home) -> None:
+        """Send session `key`'s outputs to `peer` over the link shared with the other sessions going
+        there (the entry's own layers use this for its first hop); `home` hears of a broken link."""
+        link = await self.next_hops.acquire(peer, list(addrs))
+        await self._unlink(key)
+        self.links[key] = Links(home, next=link)
 
     async def deliver(self, msg: Message, reply: Message, channel: Channel) -> None:
         """Send a reply to its session's home stream (tokens, errors, and hidden states when this hop

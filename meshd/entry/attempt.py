@@ -1,0 +1,248 @@
+"""One try at a generation over one route: the hops, the frames each holds unanswered, their
+liveness, and the steps (prefill, decode, replay) the entry drives through them.
+
+Rules: one `Attempt` per generation and route, never shared, so concurrent generations cannot blame
+each other's hops or mix their stats. Every wait has a deadline: a hop silent for SILENT_S (no frame,
+no echo of a ping) is failed at once; hops that echo their pings get up to STEP_TIMEOUT a step,
+however slowly they compute. The hop service it runs its own layers on is injected (`service`), and
+the transport to the hops is whatever `Channel`s `add_hop` is given, so tests drive it over memory
+channels and trio's MockClock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import trio
+
+from meshd.entry.errors import GenerationError, HopFailed, hop_error
+from meshd.entry.state import Generation
+from meshd.hop.endpoint import token_frame
+from meshd.node.log import get_logger
+from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Message, Phase, Token, WireError, chunk_spans
+
+OPEN_TIMEOUT = 30.0
+STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
+REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
+HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
+SILENT_S = 1.5  # a hop that answers nothing (no ping, no frame) for this long is failed: a frozen hop
+# costs the client under 2.5 s, with a margin for event loops slowed by a loaded machine
+log = get_logger(__name__)
+
+
+class LinkErrors:
+    """Where the service reports a broken link to the first hop: into the attempt's token queue,
+    which raises it as that hop's failure (the stand-in for a session's home stream)."""
+
+    def __init__(self, queue: trio.MemorySendChannel) -> None:
+        self.queue = queue
+
+    async def send(self, msg: Message) -> None:
+        try:
+            self.queue.send_nowait(msg)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # a full queue has tokens the attempt reads first; a closed one, no attempt left
+
+
+class Attempt:
+    """One try at a generation over one route: its hops, the frames each holds unanswered, its
+    deadlines and the time it spends. Rule: one per generation and route, never shared, so
+    concurrent generations cannot blame each other's hops or mix their stats."""
+
+    def __init__(self, service, generation: Generation, sid: bytes, epoch: int, replay_in_chunks: bool = False
+                 ) -> None:
+        self.service, self.generation, self.sid, self.epoch = service, generation, sid, epoch
+        self.replay_in_chunks = replay_in_chunks  # see `replay`
+        self.hops: list[tuple[str, Channel]] = []
+        self.forwards: list[bool] = []  # per hop: it sends its output to the next hop itself
+        self.pending: dict[str, int] = {}  # frames a hop holds or will hold, not yet answered
+        self.heard: dict[str, float] = {}  # when each hop last said anything (a frame or a ping's echo)
+        self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token | Error](16)
+        self.linked = False  # the entry's own outputs go to the first hop over the service's shared link
+
+    async def link_first_hop(self, addrs) -> None:
+        """Send the entry's own outputs to the first hop the way hops send theirs: with those of the
+        other generations of the same pass, as one frame on one link (see `meshd/hop/links.py`). A
+        link that breaks reports here, as an Error from the first hop."""
+        peer = self.hops[0][0]
+        try:
+            with trio.fail_after(OPEN_TIMEOUT):
+                await self.service.forward_outputs((self.sid, self.epoch), peer, addrs, LinkErrors(self.tokens_send))
+        except Exception as exc:  # the session stream still works: send on it instead
+            log.info("no link to the first hop, sending on the session stream", peer=peer[-8:],
+                     error=f"{type(exc).__name__}: {exc}")
+            return
+        self.linked = True
+
+    def add_hop(self, peer: str, channel: Channel, forwards: bool = False) -> None:
+        self.hops.append((peer, channel))
+        self.forwards.append(forwards)
+        self.pending[peer] = 0
+        self.heard[peer] = trio.current_time()
+
+    def segment(self, i: int) -> list[str]:
+        """The hops a frame sent to hop i passes before an answer comes back to the entry."""
+        out = [self.hops[i][0]]
+        while self.forwards[i] and i + 1 < len(self.hops):
+            i += 1
+            out.append(self.hops[i][0])
+        return out
+
+    def segment_ending(self, peer: str) -> list[str]:
+        """The hops whose frame an answer from `peer` completes."""
+        i = self.index(peer)
+        while i > 0 and self.forwards[i - 1]:
+            i -= 1
+        return self.segment(i)
+
+    def index(self, peer: str) -> int:
+        return next(i for i, (p, _) in enumerate(self.hops) if p == peer)
+
+    async def keepalive(self) -> None:
+        """Ping every hop not heard from lately; a hop's event loop echoes pings even while its
+        compute thread is busy. A hop that answered a frame in the last period is plainly alive:
+        pinging it too would cost a frame each way per hop and session, at 8 sessions about as many
+        frames as the tokens themselves."""
+        for seq in itertools.count():
+            now = trio.current_time()
+            for peer, channel in self.hops:
+                if now - self.heard[peer] < HEARTBEAT_S:
+                    continue
+                try:
+                    await channel.send(Heartbeat(seq=seq))
+                except ChannelClosed as exc:
+                    raise HopFailed(peer, f"stream closed: {exc}") from None
+            await trio.sleep(HEARTBEAT_S)
+
+    def silent_hop(self) -> str | None:
+        """A hop that has said nothing for SILENT_S, those holding frames first."""
+        now = trio.current_time()
+        silent = [peer for peer, _ in self.hops if now - self.heard[peer] > SILENT_S]
+        return next((p for p in silent if self.pending[p] > 0), silent[0] if silent else None)
+
+    async def pump(self, peer: str, channel: Channel, nxt: tuple[str, Channel] | None) -> None:
+        """Move one hop's outputs on: hidden states to the next hop, tokens to the entry."""
+        while True:
+            try:
+                msg = await channel.receive(STEP_TIMEOUT * 10)
+            except (ChannelClosed, WireError, trio.TooSlowError) as exc:
+                raise HopFailed(peer, str(exc) or type(exc).__name__) from None
+            self.heard[peer] = trio.current_time()
+            if isinstance(msg, Heartbeat):
+                continue
+            if isinstance(msg, Error):  # mid-generation: another route may well do
+                i = self.index(peer)
+                if msg.code == ErrorCode.NEXT_HOP_FAILED and i + 1 < len(self.hops):
+                    raise HopFailed(self.hops[i + 1][0], f"unreachable from the hop before: {msg.message}")
+                raise hop_error(peer, msg, retriable=True)
+            if isinstance(msg, (Token, Forward)):
+                for p in self.segment_ending(peer):  # each of them computed this frame: all alive
+                    self.pending[p] -= 1
+                    self.heard[p] = self.heard[peer]
+            if isinstance(msg, Token):
+                if self.service is not None:  # its next step comes at once: see ShardService.expect
+                    self.service.expect((self.sid, self.epoch), (peer, msg.pass_id), msg.pass_size)
+                await self.tokens_send.send(msg)  # tokens_recv also gets link errors: see LinkErrors
+            elif isinstance(msg, Forward) and nxt is not None:
+                await self.send(nxt[0], nxt[1], msg)
+
+    async def send(self, peer: str, channel: Channel, msg: Message) -> None:
+        try:
+            await channel.send(msg)
+        except ChannelClosed as exc:
+            raise HopFailed(peer, f"stream closed: {exc}") from None
+        for p in self.segment(self.index(peer)):
+            self.pending[p] += 1
+
+    def sent_on_link(self) -> None:
+        """The service sent the entry's output to the first hop over the link: count it held there."""
+        for p in self.segment(0):
+            self.pending[p] += 1
+
+    async def local(self, frame: Forward) -> Message | None:
+        t0 = time.perf_counter()
+        replies = await self.service.handle(frame)
+        self.generation.local_s += time.perf_counter() - t0
+        if replies and isinstance(replies[0], Error):
+            raise GenerationError(replies[0].code, replies[0].message)
+        return replies[0] if replies else None
+
+    async def step(self, step, phase, position, ids, chunk=(0, 1)) -> int | None:
+        out = await self.local(token_frame(self.sid, self.epoch, step, phase, position, ids, *chunk))
+        if isinstance(out, Token):
+            return out.token_id
+        if out is not None:
+            await self.send(*self.hops[0], out)
+        elif self.linked:
+            self.sent_on_link()
+        if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
+            return None
+        return await self.next_token(STEP_TIMEOUT)
+
+    async def prefill(self, ids) -> int:
+        spans = chunk_spans(len(ids))
+        token = None
+        for ci, (a, b) in enumerate(spans):
+            token = await self.step(0, Phase.PREFILL, a, ids[a:b], (ci, len(spans)))
+        assert token is not None
+        return token
+
+    async def replay(self, tokens, position) -> int:
+        """Run the tokens generated before a reroute through the new route so that every hop computes
+        bit for bit what the lost route computed, and return the token after the last one (seeded
+        sampling draws from the position, so it is the token the lost route would have given).
+        Where a pass of many positions rounds like one-position steps (the block kernel: the route
+        shares this daemon's model and recipe, so its hops compute as this shard does), the tokens go
+        as prefill-sized chunks; elsewhere (torch's attention rounds differently for many queries
+        than for one) as the decode steps they first were, REPLAY_WINDOW in flight."""
+        if self.replay_in_chunks:
+            spans = chunk_spans(len(tokens))
+            token = None
+            for ci, (a, b) in enumerate(spans):
+                token = await self.step(a + 1, Phase.PREFILL, position + a, list(tokens[a:b]), (ci, len(spans)))
+            assert token is not None
+            return token
+        outs: list[int] = []
+        sent = 0
+        for i, t in enumerate(tokens):
+            out = await self.local(token_frame(self.sid, self.epoch, i + 1, Phase.DECODE, position + i, [t], 0, 1))
+            if isinstance(out, Token):  # the entry holds the whole model
+                outs.append(out.token_id)
+                continue
+            if out is None and self.linked:
+                self.sent_on_link()
+            else:
+                await self.send(*self.hops[0], out)
+            sent += 1
+            while sent - len(outs) >= REPLAY_WINDOW:
+                outs.append(await self.next_token(STEP_TIMEOUT))
+        while len(outs) < len(tokens):
+            outs.append(await self.next_token(STEP_TIMEOUT))
+        if outs[:-1] != list(tokens[1:]):
+            log.warning("replay diverged from the first route", positions=len(tokens))
+        return outs[-1]
+
+    async def next_token(self, timeout: float) -> int:
+        """The next token from the tail. A hop silent for SILENT_S is failed at once; hops that echo
+        their pings are given up to `timeout`, however slowly they compute."""
+        t0 = time.perf_counter()
+        deadline = trio.current_time() + timeout
+        try:
+            while True:
+                with trio.move_on_after(min(HEARTBEAT_S, max(0.0, deadline - trio.current_time()))):
+                    msg = await self.tokens_recv.receive()
+                    if isinstance(msg, Error):  # the link to the first hop broke
+                        raise hop_error(self.hops[0][0], msg, retriable=True)
+                    return msg.token_id
+                silent = self.silent_hop() if self.hops else None
+                if silent is not None:
+                    raise HopFailed(silent, f"silent for {trio.current_time() - self.heard[silent]:.1f} s")
+                if trio.current_time() >= deadline:
+                    # blame the first hop that holds a frame it has not answered: the stall is there
+                    stalled = next((peer for peer, _ in self.hops if self.pending.get(peer, 0) > 0),
+                                   self.hops[-1][0] if self.hops else "entry")
+                    raise HopFailed(stalled, f"no answer within {timeout:.1f} s")
+        finally:
+            self.generation.wait_s += time.perf_counter() - t0

@@ -1,0 +1,39 @@
+"""How a generation fails: a hop that failed or is full (`HopFailed`), or the generation itself
+(`GenerationError`, with the wire's error code the client gets)."""
+
+from __future__ import annotations
+
+from meshd.wire import Error, ErrorCode
+
+BUSY_RETRY_S = 0.5  # the wait before trying a full mesh again, when a busy hop gives no hint
+
+
+class HopFailed(RuntimeError):
+    def __init__(self, peer_id: str, reason: str, retriable: bool = True, busy_s: float | None = None):
+        self.peer_id, self.retriable = peer_id, retriable
+        self.busy_s = busy_s  # set when the hop is alive but full: try again after this long
+        super().__init__(f"hop {peer_id[-8:]} {'is busy' if busy_s is not None else 'failed'}: {reason}")
+
+
+class GenerationError(RuntimeError):
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+def hop_error(peer_id: str, err: Error, retriable: bool = False) -> HopFailed:
+    """The HopFailed an Error frame from a hop means: `busy` is not a failure of the hop."""
+    if err.code == ErrorCode.BUSY:
+        return HopFailed(peer_id, err.message, busy_s=err.retry_after_s or BUSY_RETRY_S)
+    return HopFailed(peer_id, f"{err.code}: {err.message}",
+                     retriable=retriable or err.retriable or err.code == ErrorCode.UNKNOWN_SESSION)
+
+
+def first_of(group: BaseExceptionGroup) -> BaseException:
+    """The error that matters in a task group: a generation or hop error if any, else the group."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            exc = first_of(exc)
+        if isinstance(exc, (HopFailed, GenerationError)):
+            return exc
+    return group

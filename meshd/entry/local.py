@@ -1,0 +1,90 @@
+"""The whole model in one process, split into shards that talk through wire frames (`meshd local`).
+
+Rule: every hop goes through `meshd.wire` bytes exactly as it would over a stream, so a split run
+here exercises the same codec and endpoint code as the mesh; the generation's limits, stop tokens
+and stats are the entry's own (`meshd/entry/state.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from meshd.entry.state import Generation, open_session
+from meshd.hop.endpoint import ShardEndpoint, token_frame
+from meshd.shard.artifact import open_artifact
+from meshd.shard.recipe import Recipe, get_recipe
+from meshd.shard.runtime import Shard
+from meshd.shard.sampler import SamplingParams
+from meshd.wire import Close, Decoder, Error, Message, Opened, Phase, Token, chunk_spans, encode
+
+
+class HopError(RuntimeError):
+    """A shard answered with an `Error` message."""
+
+
+def parse_split(split: str, n_layers: int) -> list[tuple[int, int]]:
+    """"7,19" -> [(0, 7), (7, 19), (19, n_layers)]; "" -> one shard."""
+    cuts = [int(c) for c in split.split(",") if c.strip()] if split else []
+    bounds = [0, *cuts, n_layers]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"split points {cuts} must increase strictly within (0, {n_layers})")
+    return list(zip(bounds, bounds[1:]))
+
+
+class LocalPipeline:
+    """Shards of one model in one process, chained through encoded frames."""
+
+    def __init__(self, model: str, split: str = "", recipe: Recipe | str = "auto") -> None:
+        self.artifact = open_artifact(model)
+        self.recipe = get_recipe(recipe, self.artifact) if isinstance(recipe, str) else recipe
+        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, self.artifact.config.family, "artifact")
+        self.ranges = parse_split(split, self.artifact.config.n_layers)
+        self.endpoints = [ShardEndpoint(Shard(self.artifact, a, b, self.recipe), self.artifact.fingerprint,
+                                        self.recipe_fp) for a, b in self.ranges]
+
+    def _hop(self, endpoint: ShardEndpoint, msg: Message) -> Message | None:
+        decoded = Decoder().feed(encode(msg))
+        replies = endpoint.handle(decoded[0])
+        for reply in replies:
+            if isinstance(reply, Error):
+                raise HopError(f"{reply.code}: {reply.message}")
+        return replies[0] if replies else None
+
+    def _through(self, msg: Message) -> Message | None:
+        for endpoint in self.endpoints:
+            msg = self._hop(endpoint, msg)
+            if msg is None:
+                return None
+        return msg
+
+    def start(self, ids: list[int], max_tokens: int, stop_ids: set[int] = frozenset()) -> Generation:
+        """The generation of up to `max_tokens` after `ids` (cut to the context, as an entry cuts it)."""
+        return Generation.start(ids, max_tokens, self.artifact.config.max_positions, frozenset(stop_ids))
+
+    def generate(self, ids: list[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_ids: set[int] = frozenset(), generation: Generation | None = None) -> Iterator[int]:
+        """Yield up to max_tokens token ids after the prompt ids; stops after a stop id."""
+        gen = generation or Generation(ids=list(ids), max_tokens=max_tokens, stop=frozenset(stop_ids))
+        sid, epoch = os.urandom(16), 0
+        try:
+            for endpoint, (a, b) in zip(self.endpoints, self.ranges):
+                opened = self._hop(endpoint, open_session(1, sid, epoch, a, b, self.artifact.fingerprint,
+                                                          self.recipe_fp, gen.max_length, sampling))
+                assert isinstance(opened, Opened)
+            spans = chunk_spans(len(gen.ids))
+            reply = None
+            for ci, (a, b) in enumerate(spans):
+                reply = self._through(token_frame(sid, epoch, 0, Phase.PREFILL, a, gen.ids[a:b], ci, len(spans)))
+            position = len(gen.ids)
+            while not gen.done:
+                assert isinstance(reply, Token), reply
+                yield reply.token_id
+                if gen.accept(reply.token_id):
+                    return
+                reply = self._through(token_frame(sid, epoch, len(gen.tokens), Phase.DECODE, position,
+                                                  [reply.token_id]))
+                position += 1
+        finally:
+            for endpoint in self.endpoints:
+                endpoint.handle(Close(session_id=sid, epoch=epoch))

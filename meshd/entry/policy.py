@@ -1,0 +1,69 @@
+"""The entry's decisions as pure code: what to do after a hop fails or is full, and which other entry
+takes a request this daemon cannot run. No I/O, no clock of their own: tests feed made-up inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshd.entry.errors import BUSY_RETRY_S, GenerationError, HopFailed
+from meshd.wire import ErrorCode
+
+MAX_ATTEMPTS = 3  # routes tried after hop failures (busy hops do not count)
+BUSY_WAIT_S = 30.0  # how long a generation waits for a full mesh before "mesh busy"
+LOAD_WEIGHT_S = 0.1  # an entry whose KV is all in use ranks as if 100 ms further away
+UNMEASURED_S = 0.05  # the latency assumed for an entry never measured
+
+
+@dataclass
+class Retries:
+    """One generation's account of its routes: the hops that failed (never tried again), those that
+    said they are full (skipped until the next wait), the epoch of the next attempt, and until when
+    a full mesh is waited for. `after_failure` and `after_refusal` either say to go on or raise the
+    `GenerationError` the client gets."""
+
+    deadline: float  # (trio) time after which a full mesh is "mesh busy"
+    busy_wait_s: float = BUSY_WAIT_S
+    max_attempts: int = MAX_ATTEMPTS
+    failed: set[str] = field(default_factory=set)
+    busy: set[str] = field(default_factory=set)
+    failures: int = 0
+    epoch: int = 0
+    reroutes: int = 0
+
+    def after_failure(self, exc: HopFailed) -> None:
+        """A hop failed or is full: the next attempt plans without it (at once)."""
+        self.epoch += 1
+        if exc.busy_s is not None:  # alive but full: another route now, else wait for room
+            self.busy.add(exc.peer_id)
+            return
+        self.failures += 1
+        if not exc.retriable or self.failures == self.max_attempts:
+            raise GenerationError(ErrorCode.HOP_FAILED, str(exc))
+        self.failed.add(exc.peer_id)
+        self.reroutes += 1
+
+    def after_refusal(self, exc: GenerationError, now: float) -> float:
+        """No route had room (every route left runs through a full hop, or this daemon's own layers
+        are full): the seconds to wait before trying again, the busy hops forgiven."""
+        if not (exc.code == ErrorCode.BUSY or (exc.code == ErrorCode.NO_ROUTE and self.busy)):
+            raise exc
+        left = self.deadline - now
+        if left <= 0:
+            raise GenerationError(ErrorCode.BUSY, f"mesh busy: no route had room within {self.busy_wait_s:g} s"
+                                  f" ({exc})")
+        self.epoch += 1
+        self.busy.clear()
+        return min(left, BUSY_RETRY_S)
+
+
+def choose_entry(records, latency: dict[str, float], own_id: str, exclude=()):
+    """The entry a request is handed to: a serving peer holding layer 0, not leaving, not this daemon
+    and not one already tried; those with a free session first, then the nearest once its load is
+    priced in (`LOAD_WEIGHT_S`). Ties break by peer id, so the choice is deterministic."""
+    entries = [r for r in records if r.start == 0 and r.end > 0 and r.serving and not r.leaving
+               and r.peer_id != own_id and r.peer_id not in exclude]
+    if not entries:
+        return None
+    return min(entries, key=lambda r: (r.free_sessions <= 0, latency.get(r.peer_id, UNMEASURED_S)
+                                       + LOAD_WEIGHT_S * r.load, r.peer_id))

@@ -1,0 +1,80 @@
+"""One generation's state, apart from how its tokens are computed: the prompt, the limits, when it
+stops, what a replay after a reroute must feed back, and the stats the client gets.
+
+Rule: the mesh's entry (`meshd/entry/generation.py`) and `meshd local` (`meshd/entry/local.py`) both
+run a generation through this record, so the two agree on limits, stop tokens and stats.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from meshd.entry.errors import GenerationError
+from meshd.shard.sampler import SamplingParams
+from meshd.wire import ErrorCode, OpenSession
+
+
+def stop_ids(config, tokenizer, ignore_eos: bool = False) -> frozenset[int]:
+    """The tokens that end a generation: the model's and the tokenizer's end of sequence."""
+    if ignore_eos:
+        return frozenset()
+    return frozenset(i for i in (config.eos_id, getattr(tokenizer, "eos_token_id", None)) if i is not None)
+
+
+@dataclass
+class Generation:
+    ids: list[int]  # the prompt's tokens
+    max_tokens: int  # tokens it may generate (already cut to the context)
+    stop: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)  # generated so far (a reroute replays them)
+    started_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    route: list = field(default_factory=list)
+    reroutes: int = 0
+    local_s: float = 0.0  # time in the entry's own layers
+    wait_s: float = 0.0  # time waiting for the rest of the route
+    emitted: bool = False  # some text has reached the client
+
+    @classmethod
+    def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset()
+              ) -> "Generation":
+        """A generation of at most `requested` tokens, cut to what the context leaves after the prompt."""
+        room = max_positions - len(ids)
+        if room <= 0:
+            raise GenerationError(ErrorCode.BAD_FRAME, f"prompt of {len(ids)} tokens exceeds the context")
+        return cls(ids=list(ids), max_tokens=max(0, min(requested, room)), stop=frozenset(stop))
+
+    @property
+    def max_length(self) -> int:
+        """Positions a session of this generation may fill (its KV is promised for them)."""
+        return len(self.ids) + self.max_tokens
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_tokens or bool(self.tokens and self.tokens[-1] in self.stop)
+
+    def accept(self, token: int) -> bool:
+        """Take the next generated token; True when it is the last one."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.tokens.append(token)
+        return self.done
+
+    def stats(self, end: float | None = None) -> dict:
+        """What the client is told when the generation is done."""
+        end = time.perf_counter() if end is None else end
+        n = len(self.tokens)
+        first = self.first_token_at or end
+        return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
+                "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None}
+
+
+def open_session(request_id: int, session_id: bytes, epoch: int, start: int, end: int, model_fp: str,
+                 recipe_fp: str, max_length: int, sampling: SamplingParams, next_peer: str = "",
+                 next_addrs: str = "", microbatch: int = 0) -> OpenSession:
+    """The frame that opens a generation's session on the layers [start, end) of one shard."""
+    return OpenSession(request_id=request_id, session_id=session_id, epoch=epoch, start=start, end=end,
+                       model_fingerprint=model_fp, recipe_fingerprint=recipe_fp, max_length=max_length,
+                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                       seed=sampling.seed, next_peer=next_peer, next_addrs=next_addrs, microbatch=microbatch)

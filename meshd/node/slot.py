@@ -1,0 +1,78 @@
+"""A daemon's loaded range and everything that serves it: the shard, its tokenizer (at the head),
+its hop service and, at the head, its entry. Loaded whole beside the current one (a move of layers
+loads the next while the old one serves), then switched to in one assignment.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+from meshd.entry.generation import Entry
+from meshd.hop.endpoint import ShardEndpoint
+from meshd.hop.scheduler import Scheduler
+from meshd.hop.service import ShardService
+from meshd.shard.footprint import check_fits, trim_heap
+from meshd.shard.runtime import Shard
+
+
+@dataclass
+class Slot:
+    shard: Shard
+    tokenizer: object | None  # the head's only
+    service: ShardService
+    throughput: float  # layer-steps per second of a decode step, measured at load
+    entry: Entry | None = None  # the head's only: generations start here
+
+
+async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, settings, compute, metrics,
+                    dial) -> Slot:
+    """Load layers [start, end) and what serves them (on the compute thread), without touching what
+    the daemon serves now."""
+    check_fits(artifact, recipe, start, end, memory=settings.memory)
+
+    def load():
+        shard = Shard(artifact, start, end, recipe, kv_budget_bytes=settings.kv_budget)
+        tokenizer = None
+        if shard.is_head:
+            from meshd.shard.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(artifact)
+        else:
+            artifact.forget_tokenizer()
+        trim_heap()  # the tokenizer's conversion, or the dropped arrays, freed heap the shard's trim did not see
+        return shard, tokenizer
+
+    shard, tokenizer = await compute.run(load)
+    endpoint = ShardEndpoint(shard, artifact.fingerprint, recipe_fp, max_sessions=settings.max_sessions)
+    service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
+    service.on_step = metrics.observe_pass
+    service.dial = dial
+    service.gather_s = settings.gather_ms / 1000
+    throughput = await compute.run(measure_throughput, shard)
+    return Slot(shard, tokenizer, service, throughput)
+
+
+def measure_throughput(shard: Shard) -> float:
+    """Layer-steps per second of a decode step on this machine (advertised for routing)."""
+    import torch
+
+    key = ("throughput-probe", 0)
+    shard.open_session(key, 16)
+    x = torch.tensor([[1]]) if shard.is_head else torch.zeros(1, 1, shard.config.hidden)
+    try:
+        shard.forward(key, x, 0)
+        t0 = time.perf_counter()
+        for pos in range(1, 5):
+            shard.forward(key, x, pos)
+        per_step = (time.perf_counter() - t0) / 4
+    finally:
+        shard.release(key)
+    return (shard.end - shard.start) / per_step
+
+
+def forget_shard() -> None:
+    """Give a dropped shard's memory back to the system (compute thread)."""
+    gc.collect()
+    trim_heap()

@@ -1,0 +1,61 @@
+"""`meshctl status`'s answer: one dict of where a daemon stands, read off its parts (the lifecycle,
+the loaded slot, the mesh view, the relays). Nothing here changes anything."""
+
+from __future__ import annotations
+
+import time
+
+from meshd.p2p.host import dialable_addrs
+from meshd.shard.footprint import rss_bytes
+
+
+def daemon_status(d) -> dict:
+    cov = d.mesh.coverage if d.mesh else None
+    rec = d.mesh.record if d.mesh else None
+    serving = cov.serving() if cov else None
+    slot = d.slot
+    service = slot.service if slot else None
+    return {
+        "peer_id": rec.peer_id if rec else None,
+        "addrs": list(dialable_addrs(d.host)) if d.host else [],
+        "state": str(d.lifecycle),
+        "drain_reason": d.lifecycle.reason,
+        "moved": d.rebalancer.summary() if d.rebalancer else "",
+        "model": d.artifact.name if d.artifact else None,
+        "model_fingerprint": d.artifact.fingerprint if d.artifact else None,
+        "recipe": d.recipe.name if d.recipe else None,
+        "range": [rec.start, rec.end] if rec and d.lifecycle.range_known else None,
+        "n_layers": rec.n_layers if rec else None,
+        "sessions": len(slot.shard.kv) if slot else 0,
+        "kv_bytes": slot.shard.kv.used_bytes if slot else 0,
+        "generations": d.active_generations,
+        "uptime_s": round(time.time() - d.started_at, 1),
+        "throughput": round(d.throughput, 1),
+        "load_s": round(slot.shard.load_seconds, 2) if slot else None,
+        "weight_bytes": slot.shard.weight_bytes if slot else 0,
+        "rss_bytes": rss_bytes(),
+        "http": d.http_addrs,
+        "reachability": d.reach.summary() if d.reach else None,
+        "relay": {"service": d.relay.summary() if d.relay and d.settings.relay != "off" else None,
+                  "client": d.relays.summary() if d.relays else None,
+                  "hole_punch": d.punch.summary() if d.punch else None,
+                  "relayed_peers": d.relayed_peers()},
+        "compute_s": round(service.compute_s, 3) if service else 0.0,
+        "steps": service.steps if service else 0,
+        "queue": service.scheduler.queued if service else 0,
+        "forwarded_frames": service.forwarded if service else 0,
+        "batches": service.scheduler.stats.as_dict() if service else {},
+        "busy_refusals": service.endpoint.refused + service.scheduler.stats.refused if service else 0,
+        "max_sessions": d.settings.max_sessions,
+        "microbatches": slot.entry.microbatch_use.counts() if slot and slot.entry else [],
+        "compute_busy_s": round(d.compute.busy_s, 3),
+        "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
+                   "relay": r.relay, "relay_addrs": list(r.relay_addrs),
+                   "addrs": list(r.addrs), "throughput": round(r.throughput, 1),
+                   "rtt_ms": round(d.mesh.latency[r.peer_id] * 1000, 2) if r.peer_id in d.mesh.latency else None,
+                   "expires_in_s": round(r.expires_at - time.time(), 1)}
+                  for r in (cov.records if cov else ()) if r.peer_id != (rec.peer_id if rec else None)],
+        "coverage": serving.counts() if serving else [],
+        "gaps": [list(g) for g in serving.gaps()] if serving else [],
+        "complete": serving.complete if serving else False,
+    }
