@@ -8,29 +8,10 @@ from meshd.entry.attempt import SILENT_S, Attempt, LinkErrors
 from meshd.entry.errors import HopFailed
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.state import Generation
+from meshd.testing.fakes import FakeHop
 from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Phase, Token
 
 SID = b"s" * 16
-
-
-class FakeHop:
-    """A hop's channel: what the entry sends is recorded; what the hop answers is fed by the test.
-    A live hop (`echo`) answers pings at once, as a daemon's event loop does while it computes."""
-
-    def __init__(self, echo: bool = False) -> None:
-        self.sent, self.echo = [], echo
-        self.answers_in, self.answers = trio.open_memory_channel(100)
-
-    async def send(self, msg) -> None:
-        if isinstance(msg, Heartbeat):
-            if self.echo:
-                self.answers_in.send_nowait(msg)
-            return
-        self.sent.append(msg)
-
-    async def receive(self, timeout: float):
-        with trio.fail_after(timeout):
-            return await self.answers.receive()
 
 
 def forward(step: int = 1) -> Forward:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from meshd.dht.coverage import CoverageMap, choose_range
 from meshd.dht.rebalance import own_move, plan_moves, target
 from meshd.dht.record import CoverageRecord, best_index, first_seq, sign_record
+from meshd.testing.fakes import FakeMesh
 
 
 def rec(pid, start, end, auto=10, serving=True, n=30):
@@ -135,18 +136,6 @@ def test_six_joins_of_ten_layers_serve_thirty_layers_twice():
         end, rounds = settle(joined_together(6, 10, 30, seed))
         assert end.counts() == [2] * 30, (seed, end.counts())
         assert rounds <= 2
-
-
-class FakeMesh:
-    def __init__(self, record, coverage):
-        self.record, self.coverage, self.ttl_s = record, coverage, 8.0
-        self.peer_id = record.peer_id
-
-    async def refresh(self):
-        return self.coverage
-
-    async def publish(self, **changes):
-        self.record = replace(self.record, **changes)
 
 
 class FakeDaemon:

@@ -1,0 +1,189 @@
+"""The decisions the redesign made pure (issue 19), with made-up inputs: no daemons, no sockets.
+
+The entry's retry and busy loop, the route fallback, which entry takes a handed-off request, the
+rebalancer's hysteresis, admission, the lifecycle table, a generation's limits, and the reroute of
+a generation that began before its daemon moved."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from meshd.dht.rebalance import Move, Persistence
+from meshd.entry.errors import GenerationError, HopFailed
+from meshd.entry.policy import Retries, choose_entry
+from meshd.entry.route import NoRoute, plan_around
+from meshd.entry.state import Generation
+from meshd.hop.admission import Capacity
+from meshd.node.lifecycle import BadMove, Lifecycle, State
+from meshd.testing.fakes import FakeMesh, coverage, record
+from meshd.wire import ErrorCode
+
+
+# --- the retry and busy policy ------------------------------------------------------------------
+
+def test_a_failed_hop_is_excluded_and_the_third_failure_ends_the_generation():
+    r = Retries(deadline=30.0)
+    r.after_failure(HopFailed("A", "reset"))
+    r.after_failure(HopFailed("B", "reset"))
+    assert r.failed == {"A", "B"} and r.reroutes == 2 and r.epoch == 2
+    with pytest.raises(GenerationError) as ended:
+        r.after_failure(HopFailed("C", "reset"))
+    assert ended.value.code == ErrorCode.HOP_FAILED and "C" not in r.failed
+
+
+def test_a_hop_that_cannot_be_retried_ends_the_generation_at_once():
+    with pytest.raises(GenerationError, match="bad"):
+        Retries(deadline=30.0).after_failure(HopFailed("A", "bad frame", retriable=False))
+
+
+def test_a_busy_hop_costs_no_attempt_and_is_forgiven_at_the_next_wait():
+    r = Retries(deadline=30.0)
+    for _ in range(5):  # busy hops never use up the attempts
+        r.after_failure(HopFailed("A", "full", busy_s=0.2))
+    assert r.failures == 0 and r.busy == {"A"} and r.epoch == 5
+    wait = r.after_refusal(GenerationError(ErrorCode.NO_ROUTE, "only A covers 5:10"), now=10.0)
+    assert 0 < wait <= 0.5 and r.busy == set() and r.epoch == 6
+
+
+def test_a_full_mesh_is_waited_on_until_the_deadline_then_reported_busy():
+    r = Retries(deadline=30.0, busy_wait_s=30.0)
+    assert r.after_refusal(GenerationError(ErrorCode.BUSY, "own layers full"), now=29.8) == pytest.approx(0.2)
+    with pytest.raises(GenerationError) as busy:
+        r.after_refusal(GenerationError(ErrorCode.BUSY, "own layers full"), now=30.0)
+    assert busy.value.code == ErrorCode.BUSY and "mesh busy" in str(busy.value)
+
+
+def test_no_route_without_busy_hops_is_not_waited_on():
+    with pytest.raises(GenerationError) as gone:
+        Retries(deadline=30.0).after_refusal(GenerationError(ErrorCode.NO_ROUTE, "layers 5:10"), now=0.0)
+    assert gone.value.code == ErrorCode.NO_ROUTE
+
+
+# --- the route fallback -------------------------------------------------------------------------
+
+def test_a_route_avoids_failed_and_busy_hops_while_others_cover_their_layers():
+    cov = coverage(record("me", 0, 10), record("A", 10, 30), record("B", 10, 30), record("C", 10, 30))
+    route, retried = plan_around(cov, 10, {}, "me", failed={"A"}, busy={"B"})
+    assert [h.peer_id for h in route.hops] == ["C"] and not retried
+
+
+def test_the_only_server_of_some_layers_is_tried_again_after_failing_but_never_while_busy():
+    cov = coverage(record("me", 0, 10), record("A", 10, 30))
+    route, retried = plan_around(cov, 10, {}, "me", failed={"A"})
+    assert [h.peer_id for h in route.hops] == ["A"] and retried
+    with pytest.raises(NoRoute):
+        plan_around(cov, 10, {}, "me", busy={"A"})
+
+
+# --- handing a request to another entry ---------------------------------------------------------
+
+def test_an_entry_with_room_is_chosen_over_a_nearer_full_one_then_the_nearest_with_load_priced_in():
+    near_full = record("E1", 0, 10, free_sessions=0)
+    far = record("E2", 0, 10, free_sessions=4, load=0.0)
+    nearer_loaded = record("E3", 0, 10, free_sessions=2, load=0.9)
+    lat = {"E1": 0.001, "E2": 0.040, "E3": 0.020}
+    assert choose_entry([near_full, far, nearer_loaded], lat, "me").peer_id == "E2"  # 0.040 < 0.020 + 0.09
+    assert choose_entry([near_full, far, nearer_loaded], {**lat, "E2": 0.2}, "me").peer_id == "E3"  # 0.2 > 0.11
+    assert choose_entry([near_full], lat, "me").peer_id == "E1"  # full beats none: it may have room by then
+
+
+def test_no_entry_is_this_daemon_a_leaving_one_one_tried_or_one_without_layer_0():
+    recs = [record("me", 0, 10, free_sessions=9), record("L", 0, 10, leaving=True, free_sessions=9),
+            record("T", 0, 10, free_sessions=9), record("M", 10, 30, free_sessions=9),
+            record("N", 0, 10, serving=False, free_sessions=9)]
+    assert choose_entry(recs, {}, "me", exclude={"T"}) is None
+    assert choose_entry(recs, {}, "me").peer_id == "T"
+
+
+# --- the rebalancer's hysteresis ----------------------------------------------------------------
+
+def test_a_move_is_made_only_after_the_same_target_persisted_for_the_rounds_and_the_ttl():
+    move = Move("me", 12, 22, (22, 30), "gap [22, 30)")
+    p = Persistence(rounds=3, min_s=8.0)
+    assert [p.observe(move, t) for t in (0.0, 2.0, 4.0, 6.0)] == [None] * 4  # 3 rounds, but not 8 s yet
+    assert p.observe(move, 8.0) is move
+
+
+def test_a_gap_that_closes_or_moves_starts_the_count_again():
+    gap = Move("me", 12, 22, (22, 30), "gap")
+    other = Move("me", 12, 22, (0, 10), "gap")
+    p = Persistence(rounds=3, min_s=0.0)
+    assert p.observe(gap, 0) is None and p.observe(gap, 1) is None
+    assert p.observe(None, 2) is None  # the record lapsed for a moment and is back
+    assert p.observe(gap, 3) is None and p.observe(other, 4) is None and p.observe(other, 5) is None
+    assert p.observe(other, 6) is other
+
+
+# --- admission ----------------------------------------------------------------------------------
+
+def test_admission_and_free_capacity_come_from_the_same_numbers():
+    cap = Capacity(sessions=2, max_sessions=4, promised=600, budget=1000)
+    assert cap.refusal(400) is None and cap.free_sessions(200) == 2  # room for 2 of 200 bytes
+    assert "KV budget" in cap.refusal(401) and cap.free_sessions(401) == 0
+    full = Capacity(sessions=4, max_sessions=4, promised=0, budget=1000)
+    assert "its limit" in full.refusal(1) and full.free_sessions(1) == 0
+    over = Capacity(sessions=1, max_sessions=4, promised=1200, budget=1000)  # a smaller budget after a restart
+    assert over.refusal(0) is not None and over.free_sessions(10) == 0
+
+
+# --- the lifecycle ------------------------------------------------------------------------------
+
+def test_the_lifecycle_goes_only_where_its_table_allows_and_answers_for_each_state():
+    life = Lifecycle()
+    assert life.stops_at_once and not life.accepts_generations
+    life.to(State.CHOOSING)
+    assert not life.range_known
+    life.to(State.LOADING)
+    life.to(State.SERVING)
+    assert life.takes_new_work and life.accepts_generations and not life.is_leaving
+    assert life.to(State.DRAINING, "meshctl drain") and not life.to(State.DRAINING)
+    assert life.accepts_generations and not life.takes_new_work and life.is_leaving and life.reason == "meshctl drain"
+    with pytest.raises(BadMove):
+        life.to(State.SERVING)  # a draining daemon never serves again
+    life.to(State.STOPPING)
+    assert str(life) == "stopping" and not life.accepts_generations
+
+
+# --- a generation's limits ----------------------------------------------------------------------
+
+def test_a_generation_is_cut_to_the_context_and_ends_on_a_stop_token_or_its_limit():
+    with pytest.raises(GenerationError) as long:
+        Generation.start([1] * 10, 5, max_positions=10)
+    assert long.value.code == ErrorCode.BAD_FRAME
+    gen = Generation.start([1] * 6, 100, max_positions=10, stop=frozenset({2}))
+    assert gen.max_tokens == 4 and gen.max_length == 10
+    assert not gen.accept(7) and not gen.accept(8) and gen.accept(2) and gen.done
+    assert gen.stats()["tokens"] == 3 and gen.stats()["prompt_tokens"] == 6
+    capped = Generation.start([1], 2, max_positions=10)
+    assert not capped.accept(5) and capped.accept(5)
+
+
+# --- a reroute after a move ---------------------------------------------------------------------
+
+def head_slot(end: int):
+    from meshd.node.slot import Slot
+
+    shard = SimpleNamespace(is_head=True, start=0, end=end, passes_equal_steps=True)
+    return Slot(shard=shard, tokenizer=None, service=SimpleNamespace(name=f"service 0:{end}"), throughput=100.0)
+
+
+def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on():
+    """The daemon moved from [0, 10) to [0, 20) while a generation ran on [0, 10): its reroute must
+    plan [10, 30) on the old slot's service, not [20, 30) against a shard it never opened."""
+    from meshd.node.compute import ComputeExecutor
+    from meshd.node.daemon import Daemon
+    from meshd.node.settings import Settings
+
+    d = Daemon(Settings(), ComputeExecutor())
+    d.artifact = SimpleNamespace(config=SimpleNamespace(max_positions=64, eos_id=2), fingerprint="m")
+    d.recipe_fp = "r"
+    d.mesh = FakeMesh(record("me", 0, 10), coverage(record("me", 0, 10), record("A", 10, 20), record("B", 10, 30),
+                                                   record("C", 20, 30)))
+    assert d.switch_to(head_slot(10)) is None
+    running = d.entry  # the generation's entry
+    old = d.switch_to(head_slot(20))
+    assert old.shard.end == 10 and d.entry is not running and d.entry.end == 20
+    route = running.plan(failed={"A"}, busy=set())  # a hop failed after the move
+    assert [(h.peer_id, h.start) for h in route.hops] == [("B", 10)]
+    assert running.service is old.service and d.entry.service is d.slot.service
+    assert [(h.peer_id, h.start) for h in d.entry.plan(set(), set()).hops][0][1] == 20
