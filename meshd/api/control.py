@@ -182,7 +182,7 @@ class ControlServer:
         d = self.daemon
         try:
             with trio.fail_after(REQUEST_TIMEOUT):
-                stream = await d.open_stream(entry.peer_id, entry.dial_addrs, GEN_PROTOCOL)
+                stream = await d.dialer.open_stream(entry.peer_id, entry.dial_addrs, GEN_PROTOCOL)
         except Exception as exc:
             raise GenerationError(ErrorCode.HOP_FAILED, f"entry {entry.peer_id[-8:]} unreachable: {exc}") from None
         remote = Channel.over_libp2p(stream, str(GEN_PROTOCOL))

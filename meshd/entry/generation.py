@@ -269,7 +269,7 @@ class Entry:
         d = self.daemon
         try:
             with trio.fail_after(OPEN_TIMEOUT):
-                stream = await d.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
+                stream = await d.dialer.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
                 channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
                 await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, max_length, nxt, microbatch))
                 reply = await channel.receive(OPEN_TIMEOUT)
