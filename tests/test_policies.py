@@ -177,6 +177,7 @@ def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on()
     d = Daemon(Settings(), ComputeExecutor())
     d.artifact = SimpleNamespace(config=SimpleNamespace(max_positions=64, eos_id=2), fingerprint="m")
     d.recipe_fp = "r"
+    d.dialer = SimpleNamespace(open_stream=None)  # the reroute plans; nothing is dialled
     d.mesh = FakeMesh(record("me", 0, 10), coverage(record("me", 0, 10), record("A", 10, 20), record("B", 10, 30),
                                                    record("C", 20, 30)))
     assert d.switch_to(head_slot(10)) is None

@@ -10,9 +10,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from meshd.p2p.connections import is_relayed
 from meshd.p2p.host import connect, dialable_addrs, full_addrs, interface_ipv4s, open_host
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayRefused, RelayService, accept_circuit, \
-    dial_circuit, is_relayed, reserve
+    dial_circuit, reserve
 from meshd.relay.policy import RelayLedger, RelayLimits, circuit_addr, parse_circuit, split_addrs
 
 ECHO = TProtocol("/meshd-test/echo/1.0.0")

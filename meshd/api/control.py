@@ -152,7 +152,7 @@ class ControlServer:
             entry = d.entry
             if entry is not None and d.lifecycle.takes_new_work:  # a draining entry passes new work on
                 return await entry.generate(req, emit)
-            return await hand_off(req, emit, d.choose_entry, d.open_stream)
+            return await hand_off(req, emit, d.choose_entry, d.dialer.open_stream)
         finally:
             d.active_generations -= 1
 

@@ -23,6 +23,8 @@ from meshd.dht.coverage import CoverageMap
 from meshd.dht.kad import KadWalker
 from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
 from meshd.node.log import get_logger
+from meshd.p2p.addrs import strip_peer
+from meshd.p2p.connections import forget_failed_dials
 
 COVERAGE_INTERVAL = 1.0  # a round that reads only pushed records costs no network traffic
 LOOKUP_TIMEOUT = 3.0  # a lookup through the DHT
@@ -225,16 +227,13 @@ class MeshView:
             addrs = self.known[pid.to_base58()].dial_addrs
         if not addrs:
             return
-        try:
-            self.host.get_network().unblock_peer(pid)
-        except Exception:
-            pass
+        forget_failed_dials(self.host.get_network(), pid)
         with trio.move_on_after(DIRECT_TIMEOUT if self.dial is None else DIRECT_TIMEOUT * 2):
             try:
                 if self.dial is not None:
                     await self.dial(pid.to_base58(), addrs)
                 else:
-                    await self.host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
+                    await self.host.connect(PeerInfo(pid, [multiaddr.Multiaddr(strip_peer(a)) for a in addrs]))
             except Exception:
                 pass
 

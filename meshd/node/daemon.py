@@ -18,10 +18,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-import multiaddr
 import trio
-from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.api.control import ControlServer
@@ -40,12 +37,10 @@ from meshd.node.log import get_logger
 from meshd.node.settings import Settings
 from meshd.node.slot import Slot, forget_shard, open_slot
 from meshd.node.status import daemon_status
-from meshd.p2p.channel import Channel
+from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
-from meshd.p2p.race import race
-from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, is_relayed
-from meshd.relay.client import RelayCandidate, RelayClient
-from meshd.relay.policy import is_circuit, parse_circuit, relay_of, split_addrs
+from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit
+from meshd.relay.client import RelayClient, relay_candidates
 from meshd.relay.punch import HolePuncher
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.shard import blocks
@@ -56,8 +51,6 @@ from meshd.wire.protocols import GEN_PROTOCOL, SHARD_PROTOCOL
 
 DRAIN_POLL_S = 0.2
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
-DIAL_STAGGER_S = 1.0  # a peer with circuit addresses: the next way is tried after this (or a failure)
-DIAL_ATTEMPT_S = 8.0  # one way to a peer (direct, or through one relay)
 log = get_logger(__name__)
 
 
@@ -79,7 +72,7 @@ class Daemon:
         self.artifact = self.recipe = None
         self.metrics = Metrics(self)
         self.http_addrs: list[str] = []
-        self._dial_locks: dict[str, trio.Lock] = {}
+        self.dialer: Dialer | None = None  # every connection and stream to another peer
         self._drain_scope = trio.CancelScope()
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
 
@@ -104,6 +97,8 @@ class Daemon:
         key_pair = load_or_create_identity(s.state_path)
         async with open_host(key_pair, s.listen) as host:
             self.host = host
+            self.dialer = Dialer(host, latency=lambda: self.mesh.latency if self.mesh is not None else {},
+                                 known=lambda: self.mesh.known if self.mesh is not None else {})
             dht = MeshDHT(host)
             self.punch = HolePuncher(host, busy_protocols=(SHARD_PROTOCOL, GEN_PROTOCOL)) if s.hole_punch else None
             async with (background_trio_service(dht),
@@ -114,9 +109,9 @@ class Daemon:
                 record = CoverageRecord(peer_id=pid, addrs=tuple(dialable_addrs(host)), model=self.artifact.fingerprint,
                                         recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
                                         model_name=self.artifact.name, serving=False, seq=first_seq())
-                self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.ensure_connected)
-                self.mesh.walker.dial = self._dial_known
-                self.reach = Reachability(host, peers=self._mesh_peers)
+                self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.dialer.ensure_connected)
+                self.mesh.walker.dial = self.dialer.dial_known
+                self.reach = Reachability(host, peers=self.dialer.mesh_peers)
                 host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
                 nursery.start_soon(self.reach.run)
                 self._start_relaying(host, nursery)
@@ -170,7 +165,9 @@ class Daemon:
         self.relay = RelayService(host, s.relay_limits(), enabled=self._relay_on, own_addrs=lambda: self.mesh.record.addrs)
         if s.relay != "off":
             host.set_stream_handler(HOP_PROTOCOL, self.relay.serve_stream)
-        self.relays = RelayClient(host, s.relays, candidates=self._relay_candidates, connect=self.ensure_connected,
+        self.relays = RelayClient(host, s.relays, connect=self.dialer.ensure_connected,
+                                  candidates=lambda: relay_candidates(self.mesh.known.values(), self.mesh.latency,
+                                                                      self.mesh.peer_id, time.time()),
                                   active=self._needs_relays, on_change=self._relays_changed)
         host.set_stream_handler(STOP_PROTOCOL, self._accept_relayed)
         nursery.start_soon(self.relays.run)
@@ -182,12 +179,6 @@ class Daemon:
     def _needs_relays(self) -> bool:
         return self.settings.relays > 0 and self.reach is not None and self.reach.summary()["status"] == "private"
 
-    def _relay_candidates(self) -> list[RelayCandidate]:
-        now = time.time()
-        return [RelayCandidate(r.peer_id, r.addrs, self.mesh.latency.get(r.peer_id))
-                for r in self.mesh.known.values()
-                if r.relay and not r.leaving and not r.expired(now) and r.peer_id != self.mesh.peer_id]
-
     def _relay_fields(self) -> dict:
         return {"relay": self._relay_on(), "relay_addrs": self.relays.circuit_addrs() if self.relays else ()}
 
@@ -196,22 +187,6 @@ class Daemon:
 
     async def _accept_relayed(self, stream) -> None:
         await accept_circuit(self.host, stream, self.relays.allowed)
-
-    async def _dial_known(self, pid: ID) -> None:
-        """The DHT's way to a peer the swarm cannot dial itself: through the relays its record, or the
-        DHT's answers about it (circuit addresses in the peerstore), name."""
-        rec = self.mesh.known.get(pid.to_base58())
-        circuits = list(rec.relay_addrs) if rec is not None else []
-        if not circuits:
-            try:
-                circuits = [str(a) for a in self.host.get_peerstore().addrs(pid) if is_circuit(str(a))]
-            except Exception:
-                circuits = []
-        if circuits:
-            try:
-                await self.ensure_connected(pid.to_base58(), (rec.addrs if rec else ()) + tuple(circuits))
-            except Exception:
-                pass
 
     async def _evict_loop(self, period_s: float = 30.0) -> None:
         """Free the KV of sessions idle past their TTL, so a vanished entry cannot hold memory."""
@@ -291,7 +266,7 @@ class Daemon:
         """Load a range and everything that serves it, without touching what this daemon serves now."""
         return await open_slot(start, end, artifact=self.artifact, recipe=self.recipe, recipe_fp=self.recipe_fp,
                                settings=self.settings, compute=self.compute, metrics=self.metrics,
-                               dial=self.dial_shard)
+                               dial=self.dialer.dial_shard)
 
     def switch_to(self, slot: Slot) -> Slot | None:
         """Serve a range loaded by `open_range`: new sessions and generations go to it from now on
@@ -299,7 +274,7 @@ class Daemon:
         s = self.settings
         if slot.shard.is_head:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
-                               self.recipe_fp, self.mesh, self.open_stream, end=slot.shard.end,
+                               self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
                                replay_in_chunks=slot.shard.passes_equal_steps)
         old, self.slot, self.throughput = self.slot, slot, slot.throughput
@@ -309,113 +284,19 @@ class Daemon:
         """Give the memory of a replaced slot back, once the caller has let go of it."""
         await self.compute.run(forget_shard)
 
-    async def dial_shard(self, peer_id: str, addrs) -> Channel:
-        """A new shard stream to a peer (a session's next hop)."""
-        stream = await self.open_stream(peer_id, addrs, SHARD_PROTOCOL)
-        return Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-
-    async def open_stream(self, peer_id: str, addrs, protocol):
-        """A new stream to a peer. A connection py-libp2p has just closed (trimmed, reset) can still be
-        listed as connected, and a stream on it fails with "No valid connections available" (seen on
-        a fresh mesh's first generation): then dial a new connection, once."""
-        pid = ID.from_base58(peer_id)
-        for attempt in (0, 1):
-            await self.ensure_connected(peer_id, addrs, fresh=attempt == 1)
-            try:
-                return await self.host.new_stream(pid, [protocol])
-            except Exception as exc:  # py-libp2p's SwarmException and stream negotiation errors
-                if attempt == 1:
-                    raise
-                log.info("stream on a stale connection failed; dialling again", peer=peer_id[-8:],
-                         error=f"{type(exc).__name__}: {exc}")
-
-    async def ensure_connected(self, peer_id: str, addrs, fresh: bool = False) -> None:
-        """A connection to a peer that sessions will use: directly, or through one of the relays its
-        circuit addresses name (those we hold a connection to first, then the nearest), tried
-        staggered (`meshd.p2p.race`: a dead relay costs a second, not a timeout). Dials to one peer go one at a time (16
-        sessions opening at once must not dial 16 connections), and the peer is protected from
-        py-libp2p's per-peer trimming: with one connection allowed per peer, a second one (both
-        sides dialling at once) made it close the older connection, streams and all (seen under
-        load: every session on it failed with StreamEOF)."""
-        pid = ID.from_base58(peer_id)
-        self.protect(pid)
-        async with self._dial_locks.setdefault(peer_id, trio.Lock()):
-            network = self.host.get_network()
-            if not fresh and any(not c.is_closed for c in network.connections.get(pid) or ()):
-                return
-            direct, circuits = split_addrs(addrs)
-            if not circuits:
-                await self._dial_direct(pid, direct, fresh)
-                return
-            ways = [("direct", lambda: self._dial_direct(pid, direct, fresh))] if direct else []
-            ways += [(addr, lambda addr=addr: self._dial_circuit(addr)) for addr in sorted(circuits, key=self._circuit_rank)]
-            try:
-                await race(ways, stagger=DIAL_STAGGER_S, attempt_timeout=DIAL_ATTEMPT_S)
-            except ConnectionError as exc:
-                raise ConnectionError(f"cannot reach {peer_id[-8:]}: {exc}") from None
-
-    async def _dial_circuit(self, addr: str) -> None:
-        relay_addr, relay_id, _ = parse_circuit(addr)
-        await self.ensure_connected(relay_id, [relay_addr])
-        await dial_circuit(self.host, addr)
-
-    async def _dial_direct(self, pid: ID, addrs: list[str], fresh: bool) -> None:
-        network = self.host.get_network()
-        maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
-        try:  # a peer restarted on its port is back under a fresh record: py-libp2p's negative
-            network.unblock_peer(pid)  # cache of failed dials would refuse it still
-        except Exception:
-            pass
-        if fresh or pid in network.connections:  # connect() returns early while any is listed
-            self.host.peerstore.add_addrs(pid, maddrs, 120)
-            await network.dial_peer(pid)
-        else:
-            await self.host.connect(PeerInfo(pid, maddrs))
-
-    def _circuit_rank(self, addr: str) -> tuple:
-        """Relays we are connected to first, then the nearest."""
-        relay = relay_of(addr)
-        if relay is None:
-            return (2, 0.0)
-        connected = any(not c.is_closed for c in self.host.get_network().connections.get(ID.from_base58(relay)) or ())
-        return (0 if connected else 1, self.mesh.latency.get(relay, 1.0) if self.mesh else 1.0)
-
-    def protect(self, pid: ID) -> None:
-        try:
-            self.host.get_network().protect(pid, "meshd-sessions")
-        except Exception:  # an older swarm without tags: nothing to protect against
-            pass
-
     async def _serve_shard_stream(self, stream) -> None:
         try:
-            self.protect(stream.muxed_conn.peer_id)  # the peer sends sessions our way: keep its connection
+            self.dialer.protect(stream.muxed_conn.peer_id)  # the peer sends sessions our way: keep its connection
         except AttributeError:
             pass
         await self.slot.service.serve_stream(stream)
-
-    def _mesh_peers(self) -> list[str]:
-        """Connected peers of this mesh (they hold a record): the ones asked to dial us back."""
-        connected = {p.to_base58() for p in self.host.get_connected_peers()}
-        relayed = set(self._relayed_peers())  # one that reaches us through a relay sees the relay's address
-        return [p for p in self.mesh.known if p in connected and p not in relayed]
-
-    def _relayed_peers(self) -> list[str]:
-        """Peers this daemon is connected to only through a relay."""
-        if self.host is None:
-            return []
-        out = []
-        for pid, conns in list(self.host.get_network().connections.items()):
-            live = [c for c in conns or () if not c.is_closed]
-            if live and all(is_relayed(c) for c in live):
-                out.append(pid.to_base58())
-        return sorted(out)
 
     def choose_entry(self, tried=()) -> CoverageRecord | None:
         """The entry a request this daemon cannot run is handed to (see `meshd/entry/policy.py`)."""
         return choose_entry(self.mesh.coverage.serving().records, dict(self.mesh.latency), self.mesh.peer_id, tried)
 
     def relayed_peers(self) -> list[str]:
-        return self._relayed_peers()
+        return self.dialer.relayed_peers() if self.dialer else []
 
     def status(self) -> dict:
         return daemon_status(self)

@@ -26,6 +26,8 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from meshd.p2p.addrs import with_peer
+
 IDENTITY_FILE = "identity.key"
 
 
@@ -68,8 +70,7 @@ def full_addrs(host) -> list[str]:
     pid = host.get_id().to_base58()
     out = []
     for a in host.get_addrs():
-        s = str(a)
-        out.append(s if "/p2p/" in s else f"{s}/p2p/{pid}")
+        out.append(with_peer(str(a), pid))
     return out
 
 

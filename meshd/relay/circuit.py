@@ -27,7 +27,9 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from meshd.node.log import get_logger
-from meshd.relay.policy import CIRCUIT, RelayLedger, RelayLimits, parse_circuit
+from meshd.p2p.addrs import with_peer
+from meshd.p2p.connections import is_connected, is_relayed
+from meshd.relay.policy import RelayLedger, RelayLimits, circuit_addr, parse_circuit
 
 HOP_PROTOCOL = TProtocol("/libp2p/circuit/relay/0.2.0/hop")
 STOP_PROTOCOL = TProtocol("/libp2p/circuit/relay/0.2.0/stop")
@@ -48,19 +50,6 @@ class Reserved:
     relay_id: str
     expires_at: float  # unix time
     relay_addrs: tuple[str, ...]  # the relay's own addresses, as it reports them
-
-
-def is_relayed(conn) -> bool:
-    """Does this connection (swarm or muxed) run through a relay?"""
-    try:
-        if conn.get_connection_type() == ConnectionType.RELAYED:
-            return True
-    except Exception:
-        pass
-    try:
-        return any(CIRCUIT in str(a) for a in conn.get_transport_addresses() or ())
-    except Exception:
-        return False
 
 
 def _tag_relayed(host, peer: ID, muxed, ma: multiaddr.Multiaddr) -> None:
@@ -125,7 +114,7 @@ class RelayService:
             await _end(stream)
 
     def _connected(self, peer: ID) -> bool:
-        return any(not c.is_closed for c in self.host.get_network().connections.get(peer) or ())
+        return is_connected(self.host.get_network(), peer)
 
     async def _reserve(self, stream, src: ID) -> None:
         for peer in list(self.ledger.reservations):  # a reservation lives only as long as its connection
@@ -137,7 +126,7 @@ class RelayService:
             await _status(stream, StatusCode.RESERVATION_REFUSED)
             return
         me = self.host.get_id().to_base58()
-        addrs = [multiaddr.Multiaddr(f"{a.split('/p2p/')[0]}/p2p/{me}").to_bytes() for a in self.own_addrs()]
+        addrs = [multiaddr.Multiaddr(with_peer(a, me)).to_bytes() for a in self.own_addrs()]
         lim = self.ledger.limits
         await _status(stream, StatusCode.OK, reservation=Reservation(expire=int(got), addrs=addrs),
                       limit=Limit(duration=int(lim.circuit_s), data=lim.circuit_bytes))
@@ -261,7 +250,7 @@ async def accept_circuit(host, stream, allowed) -> bool:
                 raise ValueError("expected CONNECT")
             src = ID(msg.peer.id)
             await write_delimited_msg(stream, StopMessage(type=StopMessage.STATUS, status=int(StatusCode.OK)))
-        ma = multiaddr.Multiaddr(f"/p2p/{relay.to_base58()}{CIRCUIT}/p2p/{src.to_base58()}")
+        ma = multiaddr.Multiaddr(circuit_addr("", relay.to_base58(), src.to_base58()))
         raw = RawConnection(stream=stream, initiator=False, connection_type=ConnectionType.RELAYED, addresses=[ma])
         with trio.fail_after(MESSAGE_TIMEOUT):
             muxed = await host.upgrade_inbound_connection(raw, ma)

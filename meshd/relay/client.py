@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import trio
 from libp2p.peer.id import ID
 
 from meshd.node.log import get_logger
 from meshd.relay.circuit import Reserved, reserve
-from meshd.relay.policy import circuit_addr
+from meshd.p2p.connections import is_connected
+from meshd.relay.policy import circuit_addr, is_circuit
 
 TICK_S = 1.0
 CHECK_S = 5.0  # a held relay is asked again this often: one that stopped answering (frozen) is dropped
@@ -35,6 +37,13 @@ class RelayCandidate:
     peer_id: str
     addrs: tuple[str, ...]  # its direct addresses (from its record)
     rtt: float | None  # measured record round trip, seconds
+
+
+def relay_candidates(records, latency: Mapping[str, float], own_id: str, now: float) -> list[RelayCandidate]:
+    """The relays a private daemon may reserve at, from the mesh's records: those that say they relay,
+    are not leaving and not expired, other than this daemon, with their measured round trip if any."""
+    return [RelayCandidate(r.peer_id, r.addrs, latency.get(r.peer_id))
+            for r in records if r.relay and not r.leaving and not r.expired(now) and r.peer_id != own_id]
 
 
 def choose_relays(candidates: list[RelayCandidate], held: set[str], backoff_until: dict[str, float], now: float,
@@ -79,8 +88,7 @@ class RelayClient:
                 "replaced_in_s": [round(s, 2) for s in self.replaced_in[-5:]]}
 
     def _connected(self, relay: str) -> bool:
-        conns = self.host.get_network().connections.get(ID.from_base58(relay)) or ()
-        return any(not c.is_closed for c in conns)
+        return is_connected(self.host.get_network(), relay)
 
     async def tick(self) -> None:
         """One round: drop what is gone, renew what is due, reserve where short; republish on change."""
@@ -141,7 +149,7 @@ class RelayClient:
             return False
         self.backoff.pop(relay, None)
         if addrs is not None:
-            self.via[relay] = tuple(a for a in addrs if "/p2p-circuit" not in a)
+            self.via[relay] = tuple(a for a in addrs if not is_circuit(a))
         if relay not in self.held:
             log.info("relay reserved", relay=relay[-8:], expires_in_s=round(got.expires_at - time.time(), 1))
         self.held[relay] = got

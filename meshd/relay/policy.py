@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-CIRCUIT = "/p2p-circuit"
+from meshd.p2p.addrs import CIRCUIT, strip_peer
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,7 @@ def is_circuit(addr: str) -> bool:
 
 def circuit_addr(relay_addr: str, relay_id: str, peer_id: str) -> str:
     """The address at which `peer_id` is reached through the relay dialled at `relay_addr`."""
-    base = relay_addr.split("/p2p/")[0]
-    return f"{base}/p2p/{relay_id}{CIRCUIT}/p2p/{peer_id}"
+    return f"{strip_peer(relay_addr)}/p2p/{relay_id}{CIRCUIT}/p2p/{peer_id}"
 
 
 def parse_circuit(addr: str) -> tuple[str, str, str]:

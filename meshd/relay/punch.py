@@ -21,7 +21,7 @@ import trio
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, RELAY_CLOSE_GRACE_PERIOD, DCUtRProtocol
 
 from meshd.node.log import get_logger
-from meshd.relay.circuit import is_relayed
+from meshd.p2p.connections import is_relayed, live_connections
 
 DIAL_TIMEOUT = 2
 DRAIN_MAX_S = 600.0  # a relayed connection still carrying sessions is closed after this anyway
@@ -83,8 +83,8 @@ class HolePuncher(DCUtRProtocol):
         await trio.sleep(self.grace_s)
         deadline = time.monotonic() + DRAIN_MAX_S
         while time.monotonic() < deadline:
-            conns = self.host.get_network().connections.get(peer_id) or ()
-            if not any(is_relayed(c) and not c.is_closed and self._busy(c) for c in conns):
+            conns = live_connections(self.host.get_network(), peer_id)
+            if not any(is_relayed(c) and self._busy(c) for c in conns):
                 break
             await trio.sleep(DRAIN_POLL_S)
         await super()._close_relayed_conns_after_grace(peer_id, grace=0)

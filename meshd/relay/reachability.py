@@ -26,7 +26,8 @@ from libp2p.peer.id import ID
 
 from meshd.node.log import get_logger
 from meshd.p2p.host import connect, full_addrs, open_host
-from meshd.relay.circuit import is_relayed
+from meshd.p2p.addrs import strip_peer, with_peer
+from meshd.p2p.connections import is_relayed
 
 DIALBACK_PROTOCOL = TProtocol("/meshd/dialback/1.0.0")
 MAX_MESSAGE = 4096
@@ -94,7 +95,7 @@ def dial_candidates(addrs: list[str], observed_ip: str, most: int = MAX_DIALS) -
     out = []
     for a in addrs:
         try:
-            ma = multiaddr.Multiaddr(a.split("/p2p/")[0])
+            ma = multiaddr.Multiaddr(strip_peer(a))
             proto = "ip4" if "/ip4/" in str(ma) else "ip6"
             ip, port = ma.value_for_protocol(proto), ma.value_for_protocol("tcp")
         except Exception:
@@ -143,7 +144,7 @@ async def dial_fresh(addrs: list[str], peer_id: str, timeout: float = DIAL_TIMEO
     async with open_host(create_new_key_pair(), []) as probe:
         for a in addrs:
             try:
-                pid = await connect(probe, f"{a}/p2p/{peer_id}", timeout=timeout)
+                pid = await connect(probe, with_peer(a, peer_id), timeout=timeout)
             except Exception:
                 continue
             with trio.move_on_after(timeout):

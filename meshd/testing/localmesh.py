@@ -61,6 +61,14 @@ class DaemonProc:
         except OSError:
             return ""
 
+    def error_lines(self) -> list[str]:
+        """The ERROR lines in its log so far: meshd's own (JSON, level error) and its libraries' ("ERROR name: ...")."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [line for line in lines if line.startswith("ERROR") or '"level": "error"' in line]
+
     def terminate(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
