@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshd.shard import rope
+from meshd.shard.rope import RopeScaling
+
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "qwen3": "qwen3",
              "qwen3moe": "qwen3"}
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
@@ -31,6 +34,7 @@ class ModelConfig:
     vocab: int
     norm_eps: float
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()  # how the rotary frequencies are scaled (rope.py)
     max_positions: int = 2048
     tie_embeddings: bool = False
     attn_bias: bool = False
@@ -58,14 +62,14 @@ class ModelConfig:
         vocab = g("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
         family = SUPPORTED[arch]
         eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
-        if g("rope.scaling.type") not in (None, "none"):
-            raise UnsupportedArchitecture(f"rope scaling {g('rope.scaling.type')!r} is not supported yet")
+        head_dim = int(g("attention.key_length", hidden // n_heads))
+        scaling = rope.from_gguf(md, arch, tensor_names, head_dim) if family != "gpt2" else RopeScaling()
         return cls(
             arch=arch, family=family, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
             n_kv_heads=int(g("attention.head_count_kv", n_heads)),
-            head_dim=int(g("attention.key_length", hidden // n_heads)),
-            ffn=int(g("feed_forward_length")), vocab=int(vocab), norm_eps=float(g(eps_key, 1e-5)),
-            rope_theta=float(g("rope.freq_base", 10000.0)), max_positions=int(g("context_length", 2048)),
+            head_dim=head_dim, ffn=int(g("feed_forward_length")), vocab=int(vocab), norm_eps=float(g(eps_key, 1e-5)),
+            rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_positions=int(g("context_length", 2048)),
             tie_embeddings="output.weight" not in tensor_names,
             attn_bias="blk.0.attn_q.bias" in tensor_names or family == "gpt2",
             bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
@@ -92,16 +96,16 @@ class ModelConfig:
                        bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
         if c.get("use_sliding_window"):
             raise UnsupportedArchitecture("sliding-window attention is not supported yet")
-        scaling = c.get("rope_scaling") or (c.get("rope_parameters") or {})
-        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-            raise UnsupportedArchitecture(f"rope scaling {scaling!r} is not supported yet")
         n_heads = c["num_attention_heads"]
-        theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        max_positions = c.get("max_position_embeddings", 2048)
+        scaling = rope.from_hf(c, max_positions)
+        # transformers: the rope dict's theta before the top-level one
+        theta = rope.hf_parameters(c).get("rope_theta") or c.get("rope_theta") or 10000.0
         return cls(arch=c.get("model_type", "llama"), family=family, n_layers=c["num_hidden_layers"],
                    hidden=c["hidden_size"], n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, ffn=c["intermediate_size"],
                    vocab=c["vocab_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                   max_positions=c.get("max_position_embeddings", 2048),
+                   rope_scaling=scaling, max_positions=max_positions,
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                    attn_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
                    bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
