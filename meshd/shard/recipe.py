@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from meshd.shard import blocks, quant
+from meshd.shard import blocks, quant, rope
 from meshd.wire import PROTOCOL_VERSION
 
 KV_LAYOUT = "layer-major-contiguous-v1"
@@ -50,7 +50,7 @@ class Recipe:
 
     def fingerprint(self, model_fingerprint: str, adapter: str, tokenizer: str) -> str:
         doc = asdict(self) | {"kv_layout": KV_LAYOUT, "adapter": adapter, "tokenizer": tokenizer,
-                              "model": model_fingerprint, "protocol": PROTOCOL_VERSION}
+                              "model": model_fingerprint, "protocol": PROTOCOL_VERSION, "rope": rope.MATH}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
