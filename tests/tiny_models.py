@@ -204,6 +204,44 @@ def write_qwen3_gguf(model, path: Path, qtype=None) -> Path:
     return path
 
 
+def tiny_mixtral(seed: int = 0, tie: bool = False):
+    """A Mixtral: every layer routes to the top 2 of 8 experts (each 32 wide)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=tie, initializer_range=0.15,
+                        bos_token_id=1, eos_token_id=2, sliding_window=None)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)  # a router that really chooses
+    return model
+
+
+def write_mixtral_gguf(model, path: Path, qtype=None) -> Path:
+    """llama.cpp's form of Mixtral: arch `llama`, Q/K rows permuted, experts stacked in 3-D tensors."""
+    w, put, sd, c = _decoder_gguf(model, path, "llama", qtype)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads), True)
+        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads), True)
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], True)
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+        gate_up, ff = sd[p + "mlp.experts.gate_up_proj"], c.intermediate_size
+        put(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :ff], True)
+        put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, ff:], True)
+        put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], True)
+    _finish(w)
+    return path
+
+
 def write_gpt2_gguf(model, path: Path) -> Path:
     c = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
