@@ -6,6 +6,7 @@ Conv1D weights transposed for GPT-2), so they exercise the same loading code as 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -21,15 +22,57 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_llama(tie: bool = False, seed: int = 0):
+def tiny_llama(tie: bool = False, seed: int = 0, rope: dict | None = None):
+    """rope: a `rope_parameters` dict (rope_type, factor, ...) for a scaled RoPE; theta 10000 either way."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    rope_args = {"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {"rope_theta": 10000.0}
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, initializer_range=0.15,
-                      bos_token_id=1, eos_token_id=2)
+                      rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.15,
+                      bos_token_id=1, eos_token_id=2, **rope_args)
     return LlamaForCausalLM(cfg).eval()
+
+
+def llama3_rope_freqs(theta: float, dim: int, rope: dict) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for `llama3` scaling: per frequency the divisor
+    that takes the base frequency to the scaled one (1 for short waves, `factor` for long ones, a blend
+    between), computed in float32 from the config's rope dict."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelen < old / high, torch.ones_like(blend),
+                           torch.where(wavelen > old / low, torch.full_like(blend, factor), blend))
+    return divisors.numpy().astype(np.float32)
+
+
+def _write_rope(w: gguf.GGUFWriter, put, c) -> None:
+    """RoPE scaling as llama.cpp's converter writes it: linear and yarn as `rope.scaling.*` keys, llama3 as
+    the `rope_freqs.weight` tensor with no scaling type."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    elif kind == "llama3":
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        put("rope_freqs.weight", llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
+    elif kind != "default":
+        raise ValueError(f"llama.cpp's converter has no GGUF form for rope {kind!r}")
 
 
 def tiny_gpt2(seed: int = 0):
@@ -81,6 +124,7 @@ def _decoder_gguf(model, path: Path, arch: str, qtype):
     put("output_norm.weight", sd["model.norm.weight"])
     if not c.tie_word_embeddings:
         put("output.weight", sd["lm_head.weight"])
+    _write_rope(w, put, c)
     return w, put, sd, c
 
 
@@ -101,14 +145,17 @@ def write_llama_gguf(model, path: Path, qtype=None) -> Path:
     return path
 
 
-def tiny_qwen3(moe: bool = False, tie: bool = False, seed: int = 0, vocab: int = VOCAB):
-    """A Qwen3 (or Qwen3-MoE: 4 experts, top-2, layer 1 a plain MLP) with head_dim != hidden / heads."""
+def tiny_qwen3(moe: bool = False, tie: bool = False, seed: int = 0, vocab: int = VOCAB, rope: dict | None = None):
+    """A Qwen3 (or Qwen3-MoE: 4 experts, top-2, layer 1 a plain MLP) with head_dim != hidden / heads;
+    rope: a `rope_parameters` dict for a scaled RoPE (theta 10000 then)."""
     import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+    if rope:
+        common["rope_parameters"] = {"rope_theta": 10000.0, **rope}
     if not moe:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
     else:
@@ -153,6 +200,44 @@ def write_qwen3_gguf(model, path: Path, qtype=None) -> Path:
         else:
             for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
                 put(f"blk.{i}.{ours}.weight", sd[f"{p}mlp.{theirs}.weight"], True)
+    _finish(w)
+    return path
+
+
+def tiny_mixtral(seed: int = 0, tie: bool = False):
+    """A Mixtral: every layer routes to the top 2 of 8 experts (each 32 wide)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=tie, initializer_range=0.15,
+                        bos_token_id=1, eos_token_id=2, sliding_window=None)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)  # a router that really chooses
+    return model
+
+
+def write_mixtral_gguf(model, path: Path, qtype=None) -> Path:
+    """llama.cpp's form of Mixtral: arch `llama`, Q/K rows permuted, experts stacked in 3-D tensors."""
+    w, put, sd, c = _decoder_gguf(model, path, "llama", qtype)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads), True)
+        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads), True)
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], True)
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+        gate_up, ff = sd[p + "mlp.experts.gate_up_proj"], c.intermediate_size
+        put(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :ff], True)
+        put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, ff:], True)
+        put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], True)
     _finish(w)
     return path
 

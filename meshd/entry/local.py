@@ -38,7 +38,8 @@ class LocalPipeline:
     def __init__(self, model: str, split: str = "", recipe: Recipe | str = "auto") -> None:
         self.artifact = open_artifact(model)
         self.recipe = get_recipe(recipe, self.artifact) if isinstance(recipe, str) else recipe
-        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, self.artifact.config.family, "artifact")
+        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, self.artifact.config.adapter,
+                                                 "artifact")
         self.ranges = parse_split(split, self.artifact.config.n_layers)
         self.endpoints = [ShardEndpoint(Shard(self.artifact, a, b, self.recipe), self.artifact.fingerprint,
                                         self.recipe_fp) for a, b in self.ranges]

@@ -89,7 +89,7 @@ class Daemon:
         self.recipe = get_recipe(s.recipe, self.artifact)
         await self.compute.run(blocks.divide_threads, s.threads or len(os.sched_getaffinity(0)), self.recipe)
         cfg = self.artifact.config
-        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.family, "artifact")
+        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.adapter, "artifact")
         fixed = s.parse_layers(cfg.n_layers)
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         if fixed is not None and not relay_only:  # refuse before joining: a range that cannot fit is an operator's error

@@ -8,10 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshd.shard import rope
+from meshd.shard.rope import RopeScaling
+
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "qwen3": "qwen3",
-             "qwen3moe": "qwen3"}
+             "qwen3moe": "qwen3"}  # GGUF `llama` with experts is Mixtral (family mixtral)
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-            "GPT2LMHeadModel": "gpt2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3"}
+            "GPT2LMHeadModel": "gpt2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3",
+            "MixtralForCausalLM": "mixtral"}
+DEFAULT_THETA = {"MixtralForCausalLM": 1e6}  # transformers' default where config.json names none (else 1e4)
+# GGUF MoE keys that change the routing, with the value meshd computes (softmax gating, weights unscaled)
+MOE_NEUTRAL = {"expert_gating_func": 1, "expert_weights_scale": 1.0, "expert_shared_count": 0}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -31,6 +38,7 @@ class ModelConfig:
     vocab: int
     norm_eps: float
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()  # how the rotary frequencies are scaled (rope.py)
     max_positions: int = 2048
     tie_embeddings: bool = False
     attn_bias: bool = False
@@ -43,6 +51,16 @@ class ModelConfig:
     norm_topk: bool = True  # renormalise the chosen experts' weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers with a plain MLP although the model has experts
     sparse_step: int = 1  # every sparse_step-th layer is a MoE layer
+
+    @property
+    def adapter(self) -> str:
+        """What computes this model, for recipe fingerprints: the family, and the RoPE scaling with the
+        version of its math when there is one. Plain RoPE says only the family, so peers of versions
+        that compute it alike still share routes; a scaled model's peers share them only with peers
+        that read the same scaling the same way (a meshd before `rope.MATH` 1 ran a GGUF's
+        `rope_freqs.weight` as plain RoPE)."""
+        tag = self.rope_scaling.tag
+        return f"{self.family}+{rope.MATH}:{tag}" if tag else self.family
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_experts > 0 and i not in self.dense_layers and (i + 1) % self.sparse_step == 0
@@ -57,15 +75,21 @@ class ModelConfig:
         hidden = int(g("embedding_length"))
         vocab = g("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
         family = SUPPORTED[arch]
+        if g("expert_count"):
+            for key, neutral in MOE_NEUTRAL.items():
+                if g(key) is not None and g(key) != neutral:
+                    raise UnsupportedArchitecture(f"GGUF key {arch}.{key} = {g(key)!r} is not supported")
+            if arch == "llama":
+                family = "mixtral"
         eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
-        if g("rope.scaling.type") not in (None, "none"):
-            raise UnsupportedArchitecture(f"rope scaling {g('rope.scaling.type')!r} is not supported yet")
-        return cls(
+        head_dim = int(g("attention.key_length", hidden // n_heads))
+        scaling = rope.from_gguf(md, arch, tensor_names, head_dim) if family != "gpt2" else RopeScaling()
+        cfg = cls(
             arch=arch, family=family, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
             n_kv_heads=int(g("attention.head_count_kv", n_heads)),
-            head_dim=int(g("attention.key_length", hidden // n_heads)),
-            ffn=int(g("feed_forward_length")), vocab=int(vocab), norm_eps=float(g(eps_key, 1e-5)),
-            rope_theta=float(g("rope.freq_base", 10000.0)), max_positions=int(g("context_length", 2048)),
+            head_dim=head_dim, ffn=int(g("feed_forward_length")), vocab=int(vocab), norm_eps=float(g(eps_key, 1e-5)),
+            rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_positions=int(g("context_length", 2048)),
             tie_embeddings="output.weight" not in tensor_names,
             attn_bias="blk.0.attn_q.bias" in tensor_names or family == "gpt2",
             bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
@@ -76,6 +100,9 @@ class ModelConfig:
             dense_layers=tuple(i for i in range(int(g("block_count"))) if g("expert_count")
                                and f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
         )
+        if family == "mixtral" and cfg.dense_layers:
+            raise UnsupportedArchitecture(f"a GGUF llama with experts (Mixtral) but plain MLP layers {cfg.dense_layers}")
+        return cfg
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "ModelConfig":
@@ -92,22 +119,27 @@ class ModelConfig:
                        bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
         if c.get("use_sliding_window"):
             raise UnsupportedArchitecture("sliding-window attention is not supported yet")
-        scaling = c.get("rope_scaling") or (c.get("rope_parameters") or {})
-        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-            raise UnsupportedArchitecture(f"rope scaling {scaling!r} is not supported yet")
         n_heads = c["num_attention_heads"]
-        theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        max_positions = c.get("max_position_embeddings", 2048)
+        scaling = rope.from_hf(c, max_positions)
+        if archs[0] in ("MistralForCausalLM", "MixtralForCausalLM") and c.get("sliding_window"):
+            # transformers masks keys more than a window back; within one window that is full attention
+            max_positions = min(max_positions, int(c["sliding_window"]))
+        # transformers: the rope dict's theta before the top-level one
+        theta = (rope.hf_parameters(c).get("rope_theta") or c.get("rope_theta")
+                 or DEFAULT_THETA.get(archs[0], 10000.0))
+        moe_ffn = c["intermediate_size"] if family == "mixtral" else c.get("moe_intermediate_size") or 0
         return cls(arch=c.get("model_type", "llama"), family=family, n_layers=c["num_hidden_layers"],
                    hidden=c["hidden_size"], n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, ffn=c["intermediate_size"],
                    vocab=c["vocab_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                   max_positions=c.get("max_position_embeddings", 2048),
+                   rope_scaling=scaling, max_positions=max_positions,
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                    attn_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
                    bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
                    n_experts=c.get("num_experts") or c.get("num_local_experts") or 0,
                    experts_per_token=c.get("num_experts_per_tok") or 0,
-                   expert_ffn=c.get("moe_intermediate_size") or 0, norm_topk=bool(c.get("norm_topk_prob", True)),
+                   expert_ffn=moe_ffn, norm_topk=bool(c.get("norm_topk_prob", True)),
                    dense_layers=tuple(c.get("mlp_only_layers") or ()), sparse_step=c.get("decoder_sparse_step") or 1)
 
 

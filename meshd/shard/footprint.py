@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshd.shard import blocks, quant
+from meshd.shard import blocks, quant, rope
 
 STAGING_BYTES_PER_CODE = 6
 
@@ -66,6 +66,7 @@ def weight_bytes(artifact, recipe, start: int, end: int) -> int:
 
     family, cfg = FAMILIES[artifact.config.family], artifact.config
     total = sum(layer_bytes(artifact, recipe, i) for i in range(start, end))
+    total += sum(4 * artifact.tensor_elements(n) for n in rope.tensor_names(cfg.rope_scaling))  # every hop's
     g = _globals(family, artifact)
     if start == 0:
         total += _tensor_bytes(artifact, g["embed"], recipe, "table")
@@ -86,6 +87,7 @@ def owned_artifact_bytes(artifact, start: int, end: int) -> int:
 
     family, cfg = FAMILIES[artifact.config.family], artifact.config
     names = [n for i in range(start, end) for n in family.tensor_names(artifact.kind, cfg, i)]
+    names += rope.tensor_names(cfg.rope_scaling)  # every hop that runs attention holds them
     g = _globals(family, artifact)
     if start == 0:
         names += [g["embed"]] + ([g["pos_embed"]] if "pos_embed" in g else [])

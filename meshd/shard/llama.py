@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshd.shard import blocks
+from meshd.shard import blocks, rope
 from meshd.shard.config import ModelConfig
 from meshd.shard.linear import Weight, load_matrix, load_table, lookup
 from meshd.shard.rows import Rows
@@ -102,19 +102,23 @@ def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for rotary embeddings, computed as the reference does (float32).
+    """cos/sin tables for rotary embeddings, computed as the reference does (float32), with the model's
+    RoPE scaling (`rope.py`; `freq_factors`: the tensor a `freq_factors` scaling names).
 
     rotate_half(x) * sin == roll(x, half) * signed_sin, with signed_sin = [-sin, sin] per half:
-    the same products and sums as the reference, in three ops instead of six.
+    the same products and sums as the reference, in three ops instead of six. An attention factor
+    (YaRN) scales both tables, as the reference scales its cos and sin.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        hd = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
+        scaling = getattr(cfg, "rope_scaling", None) or rope.RopeScaling()
+        inv_freq, attention = rope.inverse_frequencies(scaling, cfg.rope_theta, cfg.head_dim, freq_factors)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
-        self.cos = torch.cat([freqs, freqs], dim=-1).cos()
-        sin = freqs.sin()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, sin = emb.cos(), freqs.sin()
+        if attention != 1.0:
+            self.cos, sin = self.cos * attention, sin * attention
         self.signed_sin = torch.cat([-sin, sin], dim=-1)
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self.cos, self.signed_sin)}
 

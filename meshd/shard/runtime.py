@@ -16,7 +16,7 @@ from typing import Hashable
 import torch
 
 from meshd.node.log import get_logger
-from meshd.shard import gpt2, llama, qwen3
+from meshd.shard import gpt2, llama, mixtral, qwen3, rope
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded, KVStore
@@ -32,7 +32,7 @@ class Owns:
     lm_head: bool  # ...and the LM head, and returns logits
 
 
-FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3}
+FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral}
 DEFAULT_KV_BUDGET = 1 << 30
 log = get_logger(__name__)
 
@@ -61,7 +61,11 @@ class Shard:
             if show:
                 print(file=sys.stderr)
             self.tail = self.family.load_tail(artifact, recipe, self.head) if self.is_tail else None
-            self.rotary = llama.Rotary(cfg, cfg.max_positions) if cfg.family != "gpt2" else None
+            # every hop that runs attention holds the tensors its rotary tables come from (Llama 3's factors)
+            self.rope_tensors = [torch.from_numpy(artifact.read(name)).float()
+                                 for name in rope.tensor_names(cfg.rope_scaling)]
+            self.rotary = (llama.Rotary(cfg, cfg.max_positions, *self.rope_tensors)
+                           if cfg.family != "gpt2" else None)
         trim_heap()
         self.load_seconds = time.perf_counter() - t0
         # bytes of the weights held; fixed once loaded (status and metrics read it often)
@@ -92,7 +96,7 @@ class Shard:
         return Owns(embedding=self.is_head, final_norm=self.is_tail, lm_head=self.is_tail)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = []
+        out = list(self.rope_tensors)
         for part in [self.head or {}, self.tail or {}, *[vars(layer) for layer in self.layers]]:
             for t in part.values():
                 if isinstance(t, torch.Tensor):
