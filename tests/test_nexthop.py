@@ -180,7 +180,7 @@ def test_a_session_whose_link_broke_is_told_and_forwards_no_more(artifact, compu
         assert await head.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, [1, 2, 3])) == []
         err = await entry.receive(5)
         assert isinstance(err, Error) and err.code == ErrorCode.NEXT_HOP_FAILED
-        assert head.links[(sid, 0)].next is None and len(head.next_hops) == 0
+        assert head.endpoint.sessions.links((sid, 0)).next is None and len(head.next_hops) == 0
 
     trio.run(main)
 
@@ -233,7 +233,7 @@ def test_a_batch_after_other_frames_on_one_stream_is_answered(artifact, compute)
 def test_a_pass_waits_briefly_for_frames_said_to_be_on_their_way(artifact, compute):
     """The entry's tokens come back one stream at a time: a pass waits (at most DUE_WAIT_S) for
     the sessions `expect`ed, and not again for one that never came."""
-    from meshd.hop.service import DUE_WAIT_S
+    from meshd.hop.due import DUE_WAIT_S
 
     sids = [bytes([k + 1]) * 16 for k in range(3)]
 
@@ -262,7 +262,7 @@ def test_a_pass_waits_briefly_for_frames_said_to_be_on_their_way(artifact, compu
 def test_a_pass_waits_for_every_token_of_a_tail_pass_to_come_back(artifact, compute):
     """The tail says how many tokens of its pass go to this entry: the entry's next pass waits for
     the steps all of them bring, though they come back one by one (within DUE_WAIT_S)."""
-    from meshd.hop.service import DUE_WAIT_S
+    from meshd.hop.due import DUE_WAIT_S
 
     sids = [bytes([k + 1]) * 16 for k in range(3)]
     gap = DUE_WAIT_S / 8

@@ -188,3 +188,24 @@ def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on()
     assert [(h.peer_id, h.start) for h in route.hops] == [("B", 10)]
     assert running.service is old.service and d.entry.service is d.slot.service
     assert [(h.peer_id, h.start) for h in d.entry.plan(set(), set()).hops][0][1] == 20
+
+
+# --- the gather wait --------------------------------------------------------------------------
+
+def test_frames_of_one_tail_pass_are_awaited_until_all_came_or_their_time_is_up():
+    from meshd.hop.due import DueFrames
+
+    due = DueFrames(wait_s=0.008)
+    due.expect("a", now=0.0, group=("tail", 7), size=3)  # the first of three tokens of pass 7 came home
+    assert due.awaited(0.001)
+    due.arrived("a")  # its frame is here; two more tokens of the pass are still out
+    assert due.awaited(0.002)
+    due.expect("b", now=0.003, group=("tail", 7), size=3)
+    due.arrived("b")
+    assert due.awaited(0.004)
+    due.expect("c", now=0.005, group=("tail", 7), size=3)  # the last token: the group is complete
+    due.arrived("c")
+    assert not due.awaited(0.006)
+    due.expect("d", now=1.0, group=("tail", 8), size=2)
+    due.arrived("d")
+    assert due.awaited(1.007) and not due.awaited(1.008)  # the other token never came: not waited past 8 ms

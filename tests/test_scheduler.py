@@ -30,7 +30,7 @@ def test_a_session_runs_its_work_in_order_one_piece_a_pass():
     s.submit("a", 128, False, 1)
     s.submit("a", 1, True, 2)
     order = []
-    while s.has_work():
+    while s.waiting():
         batch = s.schedule()
         assert len(batch) == 1
         order += [w.payload for w in run(s, batch)]
@@ -90,7 +90,7 @@ def test_cancel_and_withdraw_drop_waiting_work_only():
     s.submit("b", 1, True)
     assert len(s.cancel("b")) == 1 and s.queued == 0
     run(s, batch)
-    assert not s.has_work() and s.waiting() == 0
+    assert s.waiting() == 0
 
 
 def test_a_pass_takes_one_microbatch_the_one_that_waited_longest():

@@ -9,11 +9,12 @@ request cannot take down the daemon or touch another session. The tail samples a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
+from meshd.hop.sessions import HopSession, SessionTable
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import Sampler, SamplingParams
@@ -21,13 +22,6 @@ from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Message, OpenS
                         Token)
 
 TOKENS, HIDDEN = "tokens", "hidden"
-
-
-@dataclass
-class SessionState:
-    sampler: Sampler | None  # set when the session ends at the last layer (it samples)
-    head: bool = False  # the session starts at layer 0 (takes token ids)
-    microbatch: int = 0  # the entry's microbatch: only frames of one microbatch share a forward pass
 
 
 MAX_SESSIONS = 64
@@ -43,8 +37,7 @@ class ShardEndpoint:
                  max_sessions: int = MAX_SESSIONS) -> None:
         self.shard, self.model_fp, self.recipe_fp = shard, model_fingerprint, recipe_fingerprint
         self.max_sessions = max_sessions
-        self.sessions: dict[tuple[bytes, int], SessionState] = {}
-        self.promised: dict[tuple[bytes, int], int] = {}  # KV bytes each open session may grow to
+        self.sessions = SessionTable()
         self.refused = 0  # sessions refused as busy
 
     def handle(self, msg: Message) -> list[Message]:
@@ -62,18 +55,16 @@ class ShardEndpoint:
 
     def release(self, key: tuple[bytes, int]) -> None:
         self.sessions.pop(key, None)
-        self.promised.pop(key, None)
         self.shard.release(key)
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
         evicted = self.shard.evict_expired()
         for key in evicted:
             self.sessions.pop(key, None)
-            self.promised.pop(key, None)
         return evicted
 
     def capacity(self) -> Capacity:
-        return Capacity(len(self.sessions), self.max_sessions, sum(self.promised.values()), self.shard.kv.budget_bytes)
+        return Capacity(len(self.sessions), self.max_sessions, self.sessions.promised(), self.shard.kv.budget_bytes)
 
     def admit(self, key: tuple[bytes, int], need: int) -> str | None:
         """Why a new session needing `need` KV bytes cannot be taken now (sessions idle past their
@@ -113,8 +104,7 @@ class ShardEndpoint:
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
         self.shard.open_session(key, msg.max_length, msg.start, msg.end)
-        self.sessions[key] = SessionState(sampler, head=msg.start == 0, microbatch=msg.microbatch)
-        self.promised[key] = need
+        self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need)
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
 
     def _forward(self, msg: Forward) -> list[Message]:

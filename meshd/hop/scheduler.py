@@ -82,9 +82,6 @@ class Scheduler:
         self.queued += 1
         return work
 
-    def has_work(self) -> bool:
-        return any(q and key not in self._running for key, q in self._queues.items())
-
     def schedule(self) -> list[Work]:
         """The next pass, from the microbatch that has waited longest: its decode steps first, then its
         prefill chunks under the token budget."""

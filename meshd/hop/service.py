@@ -1,41 +1,37 @@
-"""Serving a shard over streams: one long-lived stream per session hop, frames in, frames out.
+"""A hop's work for all its sessions: frames in, passes on the compute thread, outputs out.
 
 Rules: tensor work runs on the daemon's compute executor, one job at a time, so the event loop keeps
-reading every stream; the Forward frames of all sessions waiting at once share one forward pass. A
-session's hidden states go straight to the next hop when the entry names one this daemon can reach
-(one transfer a hop a token), its tokens and errors to the stream it was opened on. The outputs of
-one pass that go to the same next daemon leave as one `ForwardBatch` on a link shared by all those
-sessions (`meshd/hop/links.py`), and a `ForwardBatch` that arrives is submitted whole at once, so
-what one hop computed together the next computes together. A stream's
-sessions are released when the stream ends, however it ends, so a vanished entry never leaves KV
-behind; every failure goes back as an `Error` frame.
+reading every stream (the stream protocol itself is `meshd/hop/stream.py`); the Forward frames of all
+sessions waiting at once share one forward pass (`meshd/hop/scheduler.py` chooses). A session's
+hidden states go straight to the next hop when the entry names one this daemon can reach (one
+transfer a hop a token), its tokens and errors to the stream it was opened on. The outputs of one
+pass that go to the same next daemon leave as one `ForwardBatch` on a link shared by all those
+sessions (`meshd/hop/links.py`). Where each session's outputs go is its record's `links`
+(`meshd/hop/sessions.py`); every failure goes back as an `Error` frame.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-import structlog
 import trio
 
-from meshd.node.compute import ComputeExecutor
-from meshd.wire.protocols import SHARD_PROTOCOL
-from meshd.node.log import get_logger
-from meshd.hop.links import Links, NextHop, NextHops
-from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.hop.due import DueFrames
 from meshd.hop.endpoint import ShardEndpoint
+from meshd.hop.links import Links, NextHop, NextHops
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
-from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message,
-                        OpenSession, Opened, Phase, Token, UnsupportedVersion, WireError)
+from meshd.hop.stream import serve_shard_stream
+from meshd.node.log import get_logger
+from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.wire import Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Token
 
-IDLE_TIMEOUT = 300.0
+if TYPE_CHECKING:
+    from meshd.node.compute import ComputeExecutor
+
 DIAL_TIMEOUT = 10.0  # reaching the next hop of a session
 
-DUE_WAIT_S = 0.008  # the longest a pass waits for frames said to be on their way (`expect`); a gap-based
-# wait (5 ms between arrivals, 25 ms in all) made bigger passes but fewer tokens/s in bench/batch_bench.py
-WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream
 log = get_logger(__name__)
 
 
@@ -59,11 +55,9 @@ class ShardService:
         self.pass_s: float | None = None  # moving average of a pass's seconds (the retry hint of a busy reply)
         self._stepping = False
         self._step_done = trio.Event()
-        self.links: dict[tuple[bytes, int], Links] = {}  # where each session's outputs go
         self.forwarded = 0  # frames sent straight to a next hop
         self.retired = False  # no new sessions from other daemons: its daemon leaves, or moved to another range
-        self.due: set[tuple[bytes, int]] = set()  # sessions whose next frame is on its way (`expect`)
-        self._groups: dict[tuple, list] = {}  # (peer, pass id) -> [tokens not yet come, until when they are waited for]
+        self.due = DueFrames()  # frames said to be on their way (`expect`)
         self._arrived = trio.Event()  # set by each submit while a pass waits for due frames
         self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
         self.dial: Callable[[str, list[str]], Awaitable[Channel]] | None = None  # a stream to a peer (daemon)
@@ -86,12 +80,15 @@ class ShardService:
             self.endpoint.refused += 1
             return [Error(code=ErrorCode.BUSY, message="draining: this daemon is leaving the mesh", retriable=True,
                           request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
-        replies = await self.handle(msg)
-        if not replies or not isinstance(replies[0], Opened):
-            return replies
         key = (msg.session_id, msg.epoch)
-        await self._unlink(key)  # a reopened session starts afresh
-        links = self.links[key] = Links(home)
+        stale = self.endpoint.sessions.links(key)  # a reopened session starts afresh
+        replies = await self.handle(msg)
+        if stale is not None and stale.next is not None:
+            await self.next_hops.release(stale.next)
+        session = self.endpoint.sessions.get(key)
+        if not replies or not isinstance(replies[0], Opened) or session is None:
+            return replies
+        links = session.links = Links(home)
         if msg.next_peer and self.dial is not None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
@@ -104,15 +101,18 @@ class ShardService:
     async def forward_outputs(self, key: tuple[bytes, int], peer: str, addrs, home) -> None:
         """Send session `key`'s outputs to `peer` over the link shared with the other sessions going
         there (the entry's own layers use this for its first hop); `home` hears of a broken link."""
+        session = self.endpoint.sessions.get(key)
+        if session is None:
+            raise KeyError(f"session {key[0].hex()[:12]} is not open here")
         link = await self.next_hops.acquire(peer, list(addrs))
         await self._unlink(key)
-        self.links[key] = Links(home, next=link)
+        session.links = Links(home, next=link)
 
     async def deliver(self, msg: Message, reply: Message, channel: Channel) -> None:
         """Send a reply to its session's home stream (tokens, errors, and hidden states when this hop
         does not forward: those for a next hop left with their pass, see `_queue_forwards`); replies
         for frames of no linked session go back on the stream they came from."""
-        links = self.links.get((getattr(msg, "session_id", b""), getattr(msg, "epoch", -1)))
+        links = self.endpoint.sessions.links((getattr(msg, "session_id", b""), getattr(msg, "epoch", -1)))
         if links is None:
             await channel.send(reply)
             return
@@ -139,7 +139,7 @@ class ShardService:
         for hop in hops:
             failed = await hop.flush()
             for frame in failed:
-                links = self.links.get((frame.session_id, frame.epoch))
+                links = self.endpoint.sessions.links((frame.session_id, frame.epoch))
                 if links is None:
                     continue
                 if links.next is hop:
@@ -153,9 +153,12 @@ class ShardService:
                     pass  # the entry is gone: its stream's end releases the session
 
     async def _unlink(self, key: tuple[bytes, int]) -> None:
-        links = self.links.pop(key, None)
-        if links is not None and links.next is not None:
-            await self.next_hops.release(links.next)
+        session = self.endpoint.sessions.get(key)
+        links = session.links if session is not None else None
+        if links is not None:
+            session.links = None
+            if links.next is not None:
+                await self.next_hops.release(links.next)
 
     def submit(self, msg: Forward) -> Work | Error:
         """Queue a Forward frame for the next pass it can join (at once, without waiting), or the
@@ -163,7 +166,7 @@ class ShardService:
         shape = msg.tensors[0].shape if msg.tensors else ()
         rows = shape[1] if len(shape) >= 2 else 1
         key = (msg.session_id, msg.epoch)
-        self.due.discard(key)
+        self.due.arrived(key)
         self._arrived.set()
         try:
             state = self.endpoint.sessions.get(key)  # its microbatch: only frames of one microbatch share a pass
@@ -227,42 +230,25 @@ class ShardService:
 
     def expect(self, key: tuple[bytes, int], group: tuple = (), size: int = 0) -> None:
         """Say that a session's next frame is on its way (its entry just got the token it answers),
-        and that `size` tokens of the same tail pass `group` come here: a pass about to start waits
-        for those frames (at most DUE_WAIT_S). The tail's tokens reach the entry a moment apart,
-        each on its own stream: without this, the first to come back would start a pass alone and
-        the others would follow one by one."""
-        self.due.add(key)
+        one of `size` tokens of the tail pass `group` that come here (see `meshd/hop/due.py`)."""
+        self.due.expect(key, trio.current_time(), group, size)
         self._arrived.set()
-        if size > 1 and group:
-            entry = self._groups.setdefault(group, [size, trio.current_time() + DUE_WAIT_S])
-            entry[0] -= 1
-            if entry[0] <= 0:
-                del self._groups[group]
-
-    def _awaited(self) -> bool:
-        """Frames said to be on their way that have not come yet."""
-        now = trio.current_time()
-        for group in [g for g, (_, until) in self._groups.items() if until <= now]:
-            del self._groups[group]
-        return bool(self.due or self._groups)
 
     async def _wait_for_due(self) -> None:
-        if not self._awaited() or not self.scheduler.waiting():
+        if not self.due.awaited(trio.current_time()) or not self.scheduler.waiting():
             return
-        with trio.move_on_after(DUE_WAIT_S) as waited:
-            while self._awaited():
+        with trio.move_on_after(self.due.wait_s) as waited:
+            while self.due.awaited(trio.current_time()):
                 self._arrived = trio.Event()
                 await self._arrived.wait()
         if waited.cancelled_caught:
-            # what has not come by now (a generation that ended) is not waited for again
             self.due.clear()
-            self._groups.clear()
 
     def _stamp_tokens(self, done: list[Work]) -> None:
         """Tell each entry how many of this pass's tokens go to it (see `expect`)."""
         homes: dict[str, list[Work]] = {}
         for w in done:
-            links = self.links.get((w.payload.session_id, w.payload.epoch))
+            links = self.endpoint.sessions.links((w.payload.session_id, w.payload.epoch))
             if links is not None and w.output and isinstance(w.output[0], Token):
                 homes.setdefault(links.home.peer, []).append(w)
         for group in homes.values():
@@ -274,7 +260,7 @@ class ShardService:
         one frame); they leave the pieces' outputs. Returns the links that got some."""
         hops: set[NextHop] = set()
         for w in done:
-            links = self.links.get((w.payload.session_id, w.payload.epoch))
+            links = self.endpoint.sessions.links((w.payload.session_id, w.payload.epoch))
             if links is None or links.next is None or not w.output or not isinstance(w.output[0], Forward):
                 continue
             links.next.put(w.output[0])
@@ -301,115 +287,11 @@ class ShardService:
 
     async def release(self, key: tuple[bytes, int]) -> None:
         """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
-        self.due.discard(key)
+        self.due.arrived(key)
         self._cancel(key)
         await self._unlink(key)
         await self.compute.run(self.endpoint.release, key)
 
     async def serve_stream(self, stream) -> None:
-        """The /meshd/shard/1.0.0 handler: serve frames until the stream ends.
-
-        Heartbeats are answered by the reader at once, while a worker runs the stream's frames in
-        order on the compute thread: a hop busy computing still shows it is alive, so the entry
-        can tell it from a frozen one."""
-        channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-        channel.peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", ""))
-        opened: set[tuple[bytes, int]] = set()
-        work_send, work_recv = trio.open_memory_channel[Message | tuple[Forward, Work | Error]](WORK_QUEUE)
-        try:
-            async with trio.open_nursery() as nursery:
-                replies_send, replies_recv = trio.open_memory_channel[tuple[Message, list[Message]]](WORK_QUEUE)
-                nursery.start_soon(self._work, channel, work_recv, replies_send)
-                nursery.start_soon(self._send_replies, channel, replies_recv)
-                while True:
-                    try:
-                        msg = await channel.receive(IDLE_TIMEOUT)
-                    except (ChannelClosed, trio.TooSlowError):
-                        break
-                    except WireError as exc:  # the stream can no longer be trusted: say why, then close
-                        code = ErrorCode.VERSION if isinstance(exc, UnsupportedVersion) else ErrorCode.BAD_FRAME
-                        await channel.send(Error(code=code, message=str(exc)))
-                        break
-                    if isinstance(msg, Hello):
-                        await channel.send(Hello(agent="meshd", model_fingerprint=self.endpoint.model_fp,
-                                                 recipe_fingerprint=self.endpoint.recipe_fp))
-                    elif isinstance(msg, Heartbeat):
-                        await channel.send(msg)
-                    elif isinstance(msg, ForwardBatch):
-                        # one upstream pass's outputs: all of them join the scheduler now, so they
-                        # can share a pass here too; the worker answers them in order
-                        submitted = [(frame, self.submit(frame)) for frame in msg.frames()]
-                        try:
-                            for i, item in enumerate(submitted):
-                                await work_send.send(item)
-                        except BaseException:  # cancelled: what the worker never gets is taken back
-                            for _, work in submitted[i:]:
-                                if isinstance(work, Work):
-                                    self.scheduler.withdraw(work)
-                            raise
-                    else:
-                        if isinstance(msg, OpenSession):
-                            opened.add((msg.session_id, msg.epoch))
-                            # this stream's log lines carry the request they serve, as on the entry
-                            structlog.contextvars.bind_contextvars(request_id=msg.request_id,
-                                                                   session=msg.session_id.hex()[:8])
-                        await work_send.send(msg)
-                nursery.cancel_scope.cancel()
-        except ChannelClosed:
-            pass
-        finally:
-            with trio.CancelScope(shield=True):
-                self._withdraw_unread(work_recv)
-                for key in opened:
-                    await self.release(key)
-                await channel.aclose()
-            if opened:
-                log.info("session stream closed", sessions=len(opened))
-
-    def _withdraw_unread(self, work: trio.MemoryReceiveChannel) -> None:
-        """Take back the submitted frames of a stream that ended before its worker reached them."""
-        while True:
-            try:
-                item = work.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            if isinstance(item, tuple) and isinstance(item[1], Work):
-                self.scheduler.withdraw(item[1])
-
-    async def _send_replies(self, channel: Channel, replies: trio.MemoryReceiveChannel) -> None:
-        """Deliver the replies of a link's frames in order, while the worker goes on to the next
-        frames (a tail's tokens go to many entries' streams: the next pass need not wait for that)."""
-        async with replies:
-            async for msg, out in replies:
-                try:
-                    for reply in out:
-                        await self.deliver(msg, reply, channel)
-                except ChannelClosed:
-                    return
-
-    async def _work(self, channel: Channel, work: trio.MemoryReceiveChannel,
-                    replies: trio.MemorySendChannel) -> None:
-        """Run a stream's frames in arrival order and send their replies."""
-        async for msg in work:
-            if isinstance(msg, tuple):  # a frame of a ForwardBatch, already submitted
-                msg, submitted = msg
-                out = [submitted] if isinstance(submitted, Error) else await self.finish(submitted)
-                if out:
-                    try:
-                        await replies.send((msg, out))
-                    except trio.BrokenResourceError:  # the stream broke: nobody to answer
-                        return
-                continue
-            if isinstance(msg, OpenSession):
-                structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
-            try:
-                answers = await (self.open_linked(msg, channel) if isinstance(msg, OpenSession) else self.handle(msg))
-            except Exception as exc:  # a bug in one session must not take the daemon down
-                log.exception("shard request failed")
-                answers = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
-                                 session_id=getattr(msg, "session_id", b""))]
-            try:
-                for reply in answers:
-                    await self.deliver(msg, reply, channel)
-            except ChannelClosed:
-                return
+        """The /meshd/shard/1.0.0 handler: serve a stream's frames until it ends (`meshd/hop/stream.py`)."""
+        await serve_shard_stream(self, stream)

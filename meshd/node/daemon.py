@@ -34,13 +34,12 @@ from meshd.entry.policy import choose_entry
 from meshd.node.compute import ComputeExecutor
 from meshd.node.lifecycle import Lifecycle, State
 from meshd.node.log import get_logger
+from meshd.node.relaying import Relaying
 from meshd.node.settings import Settings
 from meshd.node.slot import Slot, forget_shard, open_slot
 from meshd.node.status import daemon_status
 from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
-from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit
-from meshd.relay.client import RelayClient, relay_candidates
 from meshd.relay.punch import HolePuncher
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.shard import blocks
@@ -63,8 +62,7 @@ class Daemon:
         self.started_at = time.time()
         self.slot: Slot | None = None  # the range this daemon serves, and what serves it
         self.host = self.mesh = self.reach = None
-        self.relay: RelayService | None = None  # the relay this daemon offers (when public)
-        self.relays: RelayClient | None = None  # the relays this daemon reserves at (when private)
+        self.relaying: Relaying | None = None  # the relay it offers, the reservations it keeps
         self.punch: HolePuncher | None = None  # upgrades relayed connections to direct ones (--hole-punch)
         self.active_generations = 0
         self.answering = 0  # forwarded requests whose answer is not yet out (a drain waits for them)
@@ -114,7 +112,8 @@ class Daemon:
                 self.reach = Reachability(host, peers=self.dialer.mesh_peers)
                 host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
                 nursery.start_soon(self.reach.run)
-                self._start_relaying(host, nursery)
+                self.relaying = Relaying(s, host, self.reach, self.mesh, self.dialer, on_change=self._relays_changed)
+                self.relaying.start(nursery)
                 control = ControlServer(self, s.socket_path)
                 await nursery.start(control.serve)
                 if s.http:
@@ -158,35 +157,11 @@ class Daemon:
                 await self.mesh.withdraw()
                 nursery.cancel_scope.cancel()
 
-    def _start_relaying(self, host, nursery) -> None:
-        """Offer a relay (`--relay`: auto while publicly reachable, on, off) and keep reservations at
-        `--relays` relays while this daemon cannot be dialled itself."""
-        s = self.settings
-        self.relay = RelayService(host, s.relay_limits(), enabled=self._relay_on, own_addrs=lambda: self.mesh.record.addrs)
-        if s.relay != "off":
-            host.set_stream_handler(HOP_PROTOCOL, self.relay.serve_stream)
-        self.relays = RelayClient(host, s.relays, connect=self.dialer.ensure_connected,
-                                  candidates=lambda: relay_candidates(self.mesh.known.values(), self.mesh.latency,
-                                                                      self.mesh.peer_id, time.time()),
-                                  active=self._needs_relays, on_change=self._relays_changed)
-        host.set_stream_handler(STOP_PROTOCOL, self._accept_relayed)
-        nursery.start_soon(self.relays.run)
-
-    def _relay_on(self) -> bool:
-        mode = self.settings.relay
-        return mode == "on" or (mode == "auto" and self.reach is not None and self.reach.summary()["status"] == "public")
-
-    def _needs_relays(self) -> bool:
-        return self.settings.relays > 0 and self.reach is not None and self.reach.summary()["status"] == "private"
-
     def _relay_fields(self) -> dict:
-        return {"relay": self._relay_on(), "relay_addrs": self.relays.circuit_addrs() if self.relays else ()}
+        return self.relaying.record_fields() if self.relaying else {"relay": False, "relay_addrs": ()}
 
     async def _relays_changed(self) -> None:
         await self.mesh.publish(**self.live_fields())
-
-    async def _accept_relayed(self, stream) -> None:
-        await accept_circuit(self.host, stream, self.relays.allowed)
 
     async def _evict_loop(self, period_s: float = 30.0) -> None:
         """Free the KV of sessions idle past their TTL, so a vanished entry cannot hold memory."""
@@ -309,6 +284,7 @@ def run_daemon(settings: Settings) -> int:
     event loop cannot take it yet) ends the process at once.
     """
     Path(settings.state_path).mkdir(parents=True, exist_ok=True)
+    settings.configure()
     compute = ComputeExecutor()
     daemon = Daemon(settings, compute)
     failure: list[BaseException] = []

@@ -22,6 +22,10 @@ def default_state_dir() -> Path:
     return Path(base) / "meshd"
 
 
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "meshd"
+
+
 def default_socket(state_dir: Path) -> Path:
     for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
         value = os.environ.get(var)
@@ -65,6 +69,18 @@ class Settings:
     relay_circuit_mb: int = 1024  # as a relay: MiB one circuit carries (both ways) before it is cut
     relay_circuit_s: float = 3600.0  # as a relay: seconds one circuit lasts before it is cut
     hole_punch: int = 1  # 1: upgrade relayed connections to direct ones where the NATs allow (DCUtR); 0: never
+    wire_encoding: str = "raw"  # how hidden states travel: raw float32, zstd, or auto (zstd where it saves)
+    chunk_tokens: int = 128  # prompt tokens per prefill chunk
+    cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
+
+    def configure(self) -> None:
+        """Hand the parts below the node their settings: they read no environment themselves."""
+        from meshd import wire
+        from meshd.shard.artifact import set_cache_dir
+
+        wire.set_default_encoding(self.wire_encoding)
+        wire.set_chunk_tokens(self.chunk_tokens)
+        set_cache_dir(self.cache_dir or default_cache_dir())
 
     @property
     def state_path(self) -> Path:

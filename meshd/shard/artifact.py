@@ -28,12 +28,19 @@ class ArtifactError(ValueError):
     """The model cannot be found or read."""
 
 
+_cache_dir = Path(os.path.expanduser("~/.cache")) / "meshd"
+
+
+def set_cache_dir(path: str | Path) -> None:
+    """Where fingerprints and converted tokenizers are cached (the daemon's settings say; the layer
+    worker reads no environment itself)."""
+    global _cache_dir
+    _cache_dir = Path(path)
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("MESHD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshd")
-    path = Path(base)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    _cache_dir.mkdir(parents=True, exist_ok=True)
+    return _cache_dir
 
 
 def resolve_model(spec: str) -> Path:

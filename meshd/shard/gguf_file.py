@@ -38,10 +38,6 @@ class TensorInfo:
     offset: int  # absolute file offset
     nbytes: int
 
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
-
 
 class _Cursor:
     def __init__(self, data: memoryview) -> None:

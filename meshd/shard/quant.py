@@ -42,9 +42,6 @@ class RawTensor:
     shape: tuple[int, ...]
     data: np.ndarray
 
-    def take_rows(self, order: np.ndarray) -> "RawTensor":
-        return RawTensor(self.name, self.qtype, self.shape, self.data[order])
-
 
 @dataclass
 class Codes:

@@ -6,7 +6,6 @@ total that never changes, and each chunk starts where the previous one ended.
 
 from __future__ import annotations
 
-import os
 
 from meshd.wire.errors import ChunkOrderError
 from meshd.wire.messages import Forward
@@ -14,12 +13,20 @@ from meshd.wire.messages import Forward
 DEFAULT_CHUNK_TOKENS = 128
 
 
+_chunk_tokens = DEFAULT_CHUNK_TOKENS
+
+
+def set_chunk_tokens(value: int) -> None:
+    """The prefill chunk size from now on (the daemon's --chunk-tokens, set once at start)."""
+    global _chunk_tokens
+    if int(value) < 1:
+        raise ValueError(f"the prefill chunk size must be at least 1 token, not {value}")
+    _chunk_tokens = int(value)
+
+
 def chunk_tokens() -> int:
-    """The prefill chunk size: `MESHD_CHUNK_TOKENS` or 128."""
-    value = int(os.environ.get("MESHD_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS))
-    if value < 1:
-        raise ValueError(f"MESHD_CHUNK_TOKENS must be at least 1, not {value}")
-    return value
+    """The prefill chunk size (128 unless set)."""
+    return _chunk_tokens
 
 
 def chunk_spans(n_tokens: int, size: int | None = None) -> list[tuple[int, int]]:

@@ -18,7 +18,6 @@ byte stream into `feed` calls yields the same frames.
 from __future__ import annotations
 
 import math
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -54,18 +53,21 @@ class Limits:
     def max_body(self) -> int:
         return self.max_header + self.max_payload
 
-    @classmethod
-    def from_env(cls) -> "Limits":
-        """Default limits, with the payload bound taken from `MESHD_MAX_FRAME_BYTES` when set."""
-        value = os.environ.get("MESHD_MAX_FRAME_BYTES")
-        return cls(max_payload=int(value)) if value else cls()
+
+ENCODINGS = ("raw", "zstd", "auto")
+_encoding: Encoding = "raw"
+
+
+def set_default_encoding(value: str) -> None:
+    """How `encode` packs tensors when not told (the daemon's --wire-encoding, set once at start)."""
+    global _encoding
+    if value not in ENCODINGS:
+        raise ValueError(f"the wire encoding must be raw, zstd or auto, not {value!r}")
+    _encoding = value  # type: ignore[assignment]
 
 
 def default_encoding() -> Encoding:
-    value = os.environ.get("MESHD_WIRE_ENCODING", "raw")
-    if value not in ("raw", "zstd", "auto"):
-        raise ValueError(f"MESHD_WIRE_ENCODING must be raw, zstd or auto, not {value!r}")
-    return value  # type: ignore[return-value]
+    return _encoding
 
 
 _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)

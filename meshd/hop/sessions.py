@@ -1,0 +1,40 @@
+"""A hop's sessions: one record per (session id, epoch) that owns what the hop holds for it.
+
+Rule: a session is created in one place (`ShardEndpoint._open`) and released in one place
+(`ShardEndpoint.release`, after the service let go of its link); nothing else keys state by a
+session. Two things live elsewhere on purpose, under the same key: its KV rows (the shard's
+`KVStore`, which the model math writes) and its waiting work (the pure `Scheduler`'s queues).
+The table is written on the compute thread and read on the event loop: readers take `len`, `get`
+or a `list(...)` snapshot, never an iteration that a write could interrupt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshd.hop.links import Links
+from meshd.shard.sampler import Sampler
+
+Key = tuple[bytes, int]
+
+
+@dataclass
+class HopSession:
+    key: Key
+    sampler: Sampler | None  # set when the session ends at the last layer (it samples)
+    head: bool = False  # the session starts at layer 0 (takes token ids)
+    microbatch: int = 0  # the entry's microbatch: only frames of one microbatch share a forward pass
+    promised: int = 0  # KV bytes it may grow to, promised at open (it never runs out mid-generation)
+    links: Links | None = None  # where its outputs go, once opened over a stream (the service sets it)
+
+
+class SessionTable(dict[Key, HopSession]):
+    """The open sessions by key."""
+
+    def promised(self) -> int:
+        """KV bytes promised to all open sessions."""
+        return sum(s.promised for s in list(self.values()))
+
+    def links(self, key: Key) -> Links | None:
+        session = self.get(key)
+        return session.links if session is not None else None
