@@ -65,7 +65,7 @@ def test_concurrent_sessions_share_passes_and_get_their_solo_tokens(artifact, co
 
     async def main():
         solo = [await session(service, bytes([k]) * 16, p, temperature) for k, p in enumerate(PROMPTS)]
-        solo_passes = service.steps
+        solo_passes = service.stats.steps
         together = [None] * len(PROMPTS)
 
         async def one(k):
@@ -74,7 +74,7 @@ def test_concurrent_sessions_share_passes_and_get_their_solo_tokens(artifact, co
         async with trio.open_nursery() as nursery:
             for k in range(len(PROMPTS)):
                 nursery.start_soon(one, k)
-        return solo, together, service.steps - solo_passes
+        return solo, together, service.stats.steps - solo_passes
 
     solo, together, passes = trio.run(main)
     assert together == solo
@@ -199,12 +199,12 @@ def test_a_pass_can_wait_for_frames_due_from_other_sessions(artifact, compute):
             a, b = b"a" * 16, b"b" * 16
             for sid in (a, b):
                 await service.handle(open_msg(sid))
-            before = service.steps
+            before = service.stats.steps
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(service.handle, token_frame(a, 0, 0, Phase.PREFILL, 0, [1, 2, 3]))
                 await trio.sleep(0.02)
                 nursery.start_soon(service.handle, token_frame(b, 0, 0, Phase.PREFILL, 0, [4, 5]))
-            return service.steps - before
+            return service.stats.steps - before
 
         results[gather] = trio.run(main)
     assert results == {0.0: 2, 0.2: 1}

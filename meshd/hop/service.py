@@ -21,11 +21,12 @@ import trio
 from meshd.hop.due import DueFrames
 from meshd.hop.endpoint import ShardEndpoint
 from meshd.hop.links import Links, NextHop, NextHops
+from meshd.hop.passes import PassStats, route_outputs
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.wire import Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Token
+from meshd.wire import Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase
 
 if TYPE_CHECKING:
     from meshd.node.compute import ComputeExecutor
@@ -48,11 +49,7 @@ class ShardService:
         self.endpoint = endpoint
         self.compute = compute
         self.scheduler = scheduler or Scheduler()
-        self.compute_s = 0.0  # time spent in tensor work, for status and benchmarks
-        self.steps = 0
-        self.on_step = None  # called with each pass's compute seconds and its size (metrics)
-        self.decode_layer_rate: float | None = None  # moving average of layer-steps/s on real decode steps
-        self.pass_s: float | None = None  # moving average of a pass's seconds (the retry hint of a busy reply)
+        self.stats = PassStats(endpoint.shard.end - endpoint.shard.start)
         self._stepping = False
         self._step_done = trio.Event()
         self.forwarded = 0  # frames sent straight to a next hop
@@ -173,7 +170,7 @@ class ShardService:
             return self.scheduler.submit(key, rows, msg.phase == Phase.DECODE, msg, state.microbatch if state else 0)
         except QueueFull as exc:
             return Error(code=ErrorCode.BUSY, message=str(exc), retriable=True, session_id=msg.session_id,
-                         retry_after_s=self.retry_hint())
+                         retry_after_s=self.stats.retry_hint(self.scheduler.queued, self.scheduler.max_batch))
 
     async def _forward(self, msg: Forward) -> list[Message]:
         work = self.submit(msg)
@@ -216,9 +213,9 @@ class ShardService:
                                   session_id=w.payload.session_id)] for w in batch]
             self.scheduler.update_from_output(batch, outputs)
             done, batch = batch, []
-            self._account(time.perf_counter() - t0, done)
-            hops = self._queue_forwards(done)
-            self._stamp_tokens(done)
+            self.stats.account(time.perf_counter() - t0, done)
+            hops, forwarded = route_outputs(done, self.endpoint.sessions.links, self.stats.steps)
+            self.forwarded += forwarded
         finally:
             if batch:  # interrupted before its outputs arrived: its waiters must not wait forever
                 self.scheduler.update_from_output(batch, [[] for _ in batch])
@@ -243,47 +240,6 @@ class ShardService:
                 await self._arrived.wait()
         if waited.cancelled_caught:
             self.due.clear()
-
-    def _stamp_tokens(self, done: list[Work]) -> None:
-        """Tell each entry how many of this pass's tokens go to it (see `expect`)."""
-        homes: dict[str, list[Work]] = {}
-        for w in done:
-            links = self.endpoint.sessions.links((w.payload.session_id, w.payload.epoch))
-            if links is not None and w.output and isinstance(w.output[0], Token):
-                homes.setdefault(links.home.peer, []).append(w)
-        for group in homes.values():
-            for w in group:
-                w.output = [replace(w.output[0], pass_id=self.steps, pass_size=len(group)), *w.output[1:]]
-
-    def _queue_forwards(self, done: list[Work]) -> set[NextHop]:
-        """Queue the pass's hidden states for the next hops, in pass order (a link sends them as
-        one frame); they leave the pieces' outputs. Returns the links that got some."""
-        hops: set[NextHop] = set()
-        for w in done:
-            links = self.endpoint.sessions.links((w.payload.session_id, w.payload.epoch))
-            if links is None or links.next is None or not w.output or not isinstance(w.output[0], Forward):
-                continue
-            links.next.put(w.output[0])
-            hops.add(links.next)
-            self.forwarded += 1
-            w.output = w.output[1:]
-        return hops
-
-    def _account(self, took: float, batch: list) -> None:
-        self.compute_s += took
-        self.steps += 1
-        self.pass_s = took if self.pass_s is None else 0.9 * self.pass_s + 0.1 * took
-        if self.on_step is not None:
-            self.on_step(took, len(batch))
-        if took > 0 and all(w.decode for w in batch):
-            rate = (self.endpoint.shard.end - self.endpoint.shard.start) / took
-            old = self.decode_layer_rate
-            self.decode_layer_rate = rate if old is None else 0.9 * old + 0.1 * rate
-
-    def retry_hint(self) -> float:
-        """Seconds after which a refused client may try again: about the time to drain the queue."""
-        per_pass = self.pass_s or 0.05
-        return round(min(5.0, max(0.1, per_pass * self.scheduler.queued / max(1, self.scheduler.max_batch))), 2)
 
     async def release(self, key: tuple[bytes, int]) -> None:
         """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""

@@ -232,8 +232,8 @@ class Daemon:
         if self.slot is None:
             return relay
         service, kv = self.slot.service, self.slot.shard.kv
-        if service.decode_layer_rate:
-            self.throughput = service.decode_layer_rate
+        if service.stats.decode_layer_rate:
+            self.throughput = service.stats.decode_layer_rate
         return {"throughput": self.throughput, "free_sessions": service.endpoint.free_sessions(),
                 "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}
 

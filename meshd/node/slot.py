@@ -47,7 +47,7 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
     shard, tokenizer = await compute.run(load)
     endpoint = ShardEndpoint(shard, artifact.fingerprint, recipe_fp, max_sessions=settings.max_sessions)
     service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
-    service.on_step = metrics.observe_pass
+    service.stats.on_step = metrics.observe_pass
     service.dial = dial
     service.gather_s = settings.gather_ms / 1000
     throughput = await compute.run(measure_throughput, shard)
