@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of real daemons, used through the official `openai` package."""
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -132,7 +133,12 @@ def test_meshctl_chat_keeps_a_conversation_and_ends_on_ctrl_d(mesh):
     assert second and second != alone.stdout.strip()  # the second turn answered the second question
     proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "chat"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    seen, deadline = "", time.monotonic() + 60  # Ctrl-C once it waits for a line (a loaded box takes
+    while "Ctrl-C to leave" not in seen and time.monotonic() < deadline:  # seconds to import; 1.5 s was a guess)
+        if select.select([proc.stderr], [], [], 1)[0]:
+            seen += proc.stderr.readline()
+    assert "Ctrl-C to leave" in seen
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in err

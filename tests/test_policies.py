@@ -209,3 +209,60 @@ def test_frames_of_one_tail_pass_are_awaited_until_all_came_or_their_time_is_up(
     due.expect("d", now=1.0, group=("tail", 8), size=2)
     due.arrived("d")
     assert due.awaited(1.007) and not due.awaited(1.008)  # the other token never came: not waited past 8 ms
+
+
+# --- handing a request to another entry, over memory channels -----------------------------------
+
+async def test_a_request_passes_over_entries_that_fail_before_any_text_and_not_after():
+    """The first entry refuses (its record lagged: it stopped), the second is unreachable, the third
+    answers: the client gets the third's text and stats. Once text has flowed, a failure is final."""
+    import trio
+    import trio.testing
+
+    from meshd.entry.handoff import hand_off
+    from meshd.entry.policy import choose_entry
+    from meshd.p2p.channel import Channel
+    from meshd.wire import GenerateRequest, StreamEvent
+
+    entries = [record(f"E{i}", 0, 10, free_sessions=4) for i in range(3)]
+    latency = {"E0": 0.001, "E1": 0.002, "E2": 0.003}
+    scripts = {"E0": [StreamEvent(request_id=1, kind="error", text="draining", stats={"code": "busy"})],
+               "E2": [StreamEvent(request_id=1, kind="text", text="Paris"),
+                      StreamEvent(request_id=1, kind="done", stats={"tokens": 1})]}
+    asked = []
+
+    async def open_stream(peer, addrs, protocol):
+        asked.append(peer)
+        if peer not in scripts:
+            raise ConnectionError("no route to host")
+        ours, theirs = trio.testing.memory_stream_pair()
+        remote = Channel.over_trio(theirs)
+
+        async def serve():
+            await remote.receive(5)  # the request
+            for event in scripts[peer]:
+                await remote.send(event)
+
+        nursery.start_soon(serve)
+        return SimpleNamespace(read=ours.receive_some, write=ours.send_all, close=ours.aclose)
+
+    got = []
+
+    async def emit(event):
+        got.append(event.text)
+
+    req = GenerateRequest(request_id=1, prompt="The capital of France is", max_tokens=4)
+    choose = lambda tried: choose_entry(entries, latency, "me", tried)  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        stats = await hand_off(req, emit, choose, open_stream)
+    assert asked == ["E0", "E1", "E2"] and got == ["Paris"]
+    assert stats == {"tokens": 1, "forwarded_to": "E2"}
+
+    scripts["E0"] = [StreamEvent(request_id=1, kind="text", text="Par"),
+                     StreamEvent(request_id=1, kind="error", text="hop failed", stats={"code": "hop_failed"})]
+    asked.clear()
+    got.clear()
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(GenerationError, match="hop failed"):
+            await hand_off(req, emit, choose, open_stream)
+    assert asked == ["E0"] and got == ["Par"]  # text had reached the client: no other entry is asked
