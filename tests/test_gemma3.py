@@ -1,0 +1,192 @@
+"""Gemma 3 (meshd/shard/gemma3.py) on tiny random models built by transformers' own classes: sliding layers
+interleaved with global ones, a prompt longer than the window, from Hugging Face directories and from GGUF
+written as llama.cpp's converter writes it (norms stored as 1 + w); and the refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from meshd.shard import footprint, gemma3
+from meshd.shard.artifact import open_artifact
+from meshd.shard.config import ModelConfig, UnsupportedArchitecture
+from meshd.shard.recipe import EXACT, NATIVE
+from meshd.shard.runtime import Shard
+from tests import tiny_models
+from tests.test_shard_tiny import LOGIT_ATOL, reference_run, split_run
+
+QT = tiny_models.gguf.GGMLQuantizationType
+WINDOW = 16
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, tiny_models.VOCAB, 40)]  # 2.5 windows
+STEPS = 16
+CUTS = ((0, 4), (4, 8), (8, 12))  # layer 5 global in the middle shard, layer 11 in the last
+
+
+def three_way(artifact, recipe=EXACT):
+    return [Shard(artifact, a, b, recipe) for a, b in CUTS]
+
+
+def _save(model, d, source):
+    if source == "hf":
+        model.save_pretrained(d / source)
+    elif source == "q8.gguf":  # the reference holds exactly the weights the quantized file stores
+        tiny_models.quantize_linear_weights(model, QT.Q8_0)
+        tiny_models.write_gemma3_gguf(model, d / source, qtype=QT.Q8_0)
+    else:
+        tiny_models.write_gemma3_gguf(model, d / source)
+    return open_artifact(d / source)
+
+
+@pytest.mark.parametrize("source", ["hf", "tiny.gguf", "q8.gguf"])
+def test_three_way_split_matches_transformers_past_the_window(tmp_path, source):
+    model = tiny_models.tiny_gemma3(seed=41, window=WINDOW)
+    artifact = _save(model, tmp_path, source)
+    cfg = artifact.config
+    assert cfg.family == "gemma3" and cfg.sliding_window == WINDOW and cfg.local_rope_theta == 10000.0
+    assert cfg.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and cfg.rope_theta == 1e6
+    ref_tokens, ref_logits = reference_run(model, PROMPT, STEPS)
+    tokens, logits = split_run(three_way(artifact), PROMPT, STEPS)
+    assert tokens == ref_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
+    assert worst < LOGIT_ATOL, worst
+
+
+def test_the_window_matters_at_these_positions():
+    """The same weights attending over everything are far off: the parity above would catch a window ignored."""
+    model = tiny_models.tiny_gemma3(seed=41, window=WINDOW)
+    unbounded = tiny_models.tiny_gemma3(seed=41, window=256)
+    unbounded.load_state_dict(model.state_dict())
+    with torch.inference_mode():
+        a, b = model(torch.tensor([PROMPT])).logits[0, -1], unbounded(torch.tensor([PROMPT])).logits[0, -1]
+    assert float((a - b).abs().max()) > 1000 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("source", ["hf", "tiny.gguf"])
+def test_softcap_scalar_and_scaled_global_rope(tmp_path, source):
+    """Final logit soft-capping, linear RoPE scaling on the global layers (Gemma 3 4B+) and, from a Hugging Face
+    config, a query_pre_attn_scalar other than head_dim (llama.cpp derives it from the head in GGUF)."""
+    model = tiny_models.tiny_gemma3(seed=42, window=WINDOW, softcap=3.0, scalar=24 if source == "hf" else 32,
+                                    rope={"rope_type": "linear", "factor": 4.0})
+    artifact = _save(model, tmp_path, source)
+    cfg = artifact.config
+    assert cfg.final_softcap == 3.0 and cfg.rope_scaling.kind == "linear"
+    assert cfg.attn_scalar == (24.0 if source == "hf" else 32.0)
+    ref_tokens, ref_logits = reference_run(model, PROMPT, 8)
+    tokens, logits = split_run(three_way(artifact), PROMPT, 8)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
+    assert float(ref_logits[0].abs().max()) < 3.0  # capped
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0])
+def test_native_split_equals_one_process_exactly(tmp_path, qtype):
+    model = tiny_models.tiny_gemma3(seed=43, window=WINDOW)
+    art = open_artifact(tiny_models.write_gemma3_gguf(model, tmp_path / "n.gguf", qtype=qtype))
+    assert art.is_quantized
+    one_tokens, one_logits = split_run([Shard(art, 0, 12, NATIVE)], PROMPT, STEPS)
+    tokens, logits = split_run(three_way(art, NATIVE), PROMPT, STEPS)
+    assert tokens == one_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, one_logits))
+    if qtype == QT.Q8_0:  # close to transformers on the file's weights (bfloat16 KV, 8-bit activations)
+        tiny_models.quantize_linear_weights(model, qtype)
+        ref_tokens, ref_logits = reference_run(model, PROMPT, 4)
+        assert float((logits[0] - ref_logits[0]).abs().max()) < 0.1
+
+
+def test_kernel_window_attention_equals_masked_attention():
+    """The native lane's windowed attention (rows from key 0 in one kernel call, later rows over their own
+    window) against a masked softmax in float64 over the same bfloat16 keys; and a prefill's rows carry the
+    bits of one-position steps. A query_pre_attn_scalar other than head_dim scales the queries."""
+    if not gemma3.blocks.KERNEL:
+        pytest.skip("the block kernel did not build here")
+    torch.manual_seed(0)
+    heads, kv_heads, hd, n = 4, 2, 32, 40
+    q = torch.randn(1, heads, n, hd)
+    keys, values = torch.randn(1, kv_heads, n, hd).bfloat16(), torch.randn(1, kv_heads, n, hd).bfloat16()
+    for scalar in (32.0, 24.0):
+        cfg = ModelConfig("gemma3", "gemma3", 1, 128, heads, kv_heads, hd, 1, 1, 1e-6, attn_scalar=scalar)
+        for pos, window in ((0, 16), (10, 16), (0, 0), (24, 16)):
+            rows = n - pos
+            got = gemma3._kernel_attention(q[:, :, pos:], keys, values, pos, window, cfg)
+            qpos, kpos = torch.arange(pos, n)[:, None], torch.arange(n)[None, :]
+            mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+            k64, v64 = keys.double().repeat_interleave(2, 1), values.double().repeat_interleave(2, 1)
+            scores = (q[:, :, pos:].double() @ k64.transpose(-1, -2)) * scalar ** -0.5
+            want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v64
+            assert float((got.double() - want).abs().max()) < 1e-5, (scalar, pos, window)
+            steps = [gemma3._kernel_attention(q[:, :, p:p + 1], keys[:, :, :p + 1], values[:, :, :p + 1], p, window, cfg)
+                     for p in range(pos, n)]
+            assert torch.equal(got, torch.cat(steps, dim=2)) and got.shape[2] == rows
+
+
+def test_footprint_before_loading_equals_what_a_shard_holds(tmp_path):
+    model = tiny_models.tiny_gemma3(seed=44, window=WINDOW)
+    model.save_pretrained(tmp_path / "hf")
+    for art in (open_artifact(tmp_path / "hf"),
+                open_artifact(tiny_models.write_gemma3_gguf(model, tmp_path / "m.gguf", qtype=QT.Q4_0))):
+        for recipe in (EXACT, NATIVE):
+            for a, b in ((0, 4), (4, 8), (8, 12), (0, 12)):
+                assert footprint.weight_bytes(art, recipe, a, b) == Shard(art, a, b, recipe).weight_bytes, (art.path, a, b)
+
+
+def _hf_doc(tmp_path, **changes):
+    tiny_models.tiny_gemma3(seed=45).save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text()) | changes
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"hidden_activation": "gelu"}, "activation"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "sliding layers"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}}, "dynamic"),
+    ({"layer_types": ["chunked_attention"] * 12}, "layer_types"),
+])
+def test_math_it_does_not_compute_is_refused_by_name(tmp_path, changes, match):
+    with pytest.raises(UnsupportedArchitecture, match=match):
+        ModelConfig.from_hf(_hf_doc(tmp_path, **changes))
+
+
+def test_transformers_4_config_spelling(tmp_path):
+    """rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern at the top level (transformers 4)."""
+    doc = _hf_doc(tmp_path)
+    for key in ("rope_parameters", "layer_types"):
+        doc.pop(key)
+    doc |= {"rope_theta": 1e6, "rope_local_base_freq": 5e3, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window_pattern": 3}
+    cfg = ModelConfig.from_hf(doc)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.kind, cfg.rope_scaling.factor) == (1e6, 5e3, "linear", 8.0)
+    assert cfg.sliding_layers == (0, 1, 3, 4, 6, 7, 9, 10)
+
+
+def _gguf(path, **keys):
+    w = tiny_models.gguf.GGUFWriter(str(path), "gemma3")
+    for k, v in {"block_count": 2, "embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 32,
+                 "attention.sliding_window": 8, **keys}.items():
+        if isinstance(v, str):
+            w.add_string(f"gemma3.{k}", v)
+        else:
+            w.add_float32(f"gemma3.{k}", v) if isinstance(v, float) else w.add_uint32(f"gemma3.{k}", v)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    tiny_models._finish(w)
+    return path
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}, "yarn"),
+    ({"attention.value_length": 8, "attention.key_length": 16}, "value width"),
+])
+def test_gguf_keys_it_does_not_compute_are_refused_by_name(tmp_path, keys, match):
+    with pytest.raises(UnsupportedArchitecture, match=match):
+        open_artifact(_gguf(tmp_path / "f.gguf", **keys))
+
+
+def test_gguf_without_a_window_has_no_sliding_layers(tmp_path):
+    """llama.cpp: a gemma3 file without gemma3.attention.sliding_window attends globally in every layer."""
+    assert open_artifact(_gguf(tmp_path / "f.gguf", **{"attention.sliding_window": 0})).config.sliding_layers == ()
+    assert open_artifact(_gguf(tmp_path / "g.gguf")).config.sliding_layers == (0, 1)
