@@ -27,7 +27,7 @@ from meshd.shard.rope import RopeScaling
 from meshd.shard.rows import Rows
 
 global_names = llama.global_names
-TABLE_STEP = 4096  # rotary positions computed at a time (a 128k context of 256-wide heads is 128 MB a kind)
+TABLE_START = 256  # rotary positions computed at first, doubled as needed (a 128k context of 256-wide heads: 256 MB a kind)
 
 
 @dataclass
@@ -84,19 +84,19 @@ def load_layer(artifact, i: int, recipe) -> Gemma3Layer:
 
 
 class Rotary(llama.Rotary):
-    """`llama.Rotary`'s tables, computed up to the positions asked for (in steps of TABLE_STEP, at most the
+    """`llama.Rotary`'s tables, computed up to the positions asked for (doubled as they grow, at most the
     model's context): a position's entries are elementwise products of its index, the same bits whatever
     the length."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
         self._args, self._max = (cfg, freq_factors), max_positions
-        super().__init__(cfg, min(max_positions, TABLE_STEP), freq_factors)
+        super().__init__(cfg, min(max_positions, TABLE_START), freq_factors)
 
     def _cover(self, end: int) -> None:
         have = self.cos.shape[0]
         if have < end <= self._max:
             cfg, freq_factors = self._args
-            super().__init__(cfg, min(self._max, -(-end // TABLE_STEP) * TABLE_STEP), freq_factors)
+            super().__init__(cfg, min(self._max, max(end, 2 * have)), freq_factors)
 
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         self._cover(start + x.shape[2])
