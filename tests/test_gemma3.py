@@ -200,3 +200,70 @@ def test_rotary_tables_grow_with_the_same_bits():
     for start in (0, 300, 700, 5000, 8189):
         assert torch.equal(grown.apply(x, start), full.apply(x, start)), start
     assert grown.cos.shape[0] == 8192
+
+
+def test_windowed_kv_stays_bounded_and_returns_the_window():
+    """A session of 5000 positions one at a time: the windowed layers' caches never pass three windows (rounded
+    to the growth step) while the global layer's grows with the session; every append returns, from first(li),
+    exactly the positions written."""
+    from meshd.shard.kv import GROW_STEP, KVStore
+
+    w = 512
+    store = KVStore(3, 1, 2, torch.float32, budget_bytes=1 << 30)
+    kv = store.open("s", max_length=8192, n_layers=3, windows=(0, w, w))
+    for pos in range(5000):
+        kv.reserve(pos, 1)
+        for li in range(3):
+            value = torch.full((1, 1, 1, 2), float(pos))
+            keys, _ = kv.append(li, value, value, pos)
+            first = kv.first(li)
+            assert first <= max(0, pos - w + 1)
+            if pos % 997 == 0 or pos > 4990:
+                assert torch.equal(keys[0, 0, :, 0], torch.arange(first, pos + 1, dtype=torch.float32))
+        kv.commit(pos + 1)
+        assert kv.sk.shape[3] <= 3 * w + GROW_STEP and store.used_bytes == kv.nbytes
+    assert kv.capacity >= 5000 and kv.base >= 5000 - 3 * w - GROW_STEP
+    with pytest.raises(ValueError, match="replay from position 0"):
+        kv.reserve(kv.base, 1)  # a rollback further back than the windowed caches hold
+    kv.commit(5000 - w)  # a rollback of one window is always served
+    kv.reserve(5000 - w, 1)
+    assert kv.first(1) <= 5000 - 2 * w + 1
+    kv.reserve(0, 4)  # a replay from the start
+    assert kv.base == 0 and store.release("s") and store.used_bytes == 0
+
+
+@pytest.mark.parametrize("recipe", [EXACT, NATIVE])
+def test_long_session_past_many_windows_with_rollback(tmp_path, recipe):
+    """120 positions through windows of 16 (the windowed caches drop positions several times): the exact lane
+    split three ways follows transformers, the native lane split equals one process; a rollback of a few
+    positions recomputes the same tokens."""
+    model = tiny_models.tiny_gemma3(seed=46, window=WINDOW)
+    if recipe is EXACT:
+        model.save_pretrained(tmp_path / "hf")
+        art = open_artifact(tmp_path / "hf")
+        ref_tokens, ref_logits = reference_run(model, PROMPT, 80)
+    else:
+        art = open_artifact(tiny_models.write_gemma3_gguf(model, tmp_path / "q.gguf", qtype=QT.Q4_0))
+        ref_tokens, ref_logits = split_run([Shard(art, 0, 12, NATIVE)], PROMPT, 80)
+    shards = three_way(art, recipe)
+    tokens, logits = split_run(shards, PROMPT, 80, key="keep")
+    assert tokens == ref_tokens
+    if recipe is EXACT:
+        assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) < LOGIT_ATOL
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    seq = PROMPT + tokens
+    for s in shards:  # the same session again, step by step, then four positions rolled back and recomputed
+        s.open_session("r")
+    for pos, chunk in [(0, PROMPT)] + [(len(PROMPT) + i, [t]) for i, t in enumerate(tokens[:-1])]:
+        x = torch.tensor([chunk])
+        for s in shards:
+            x = s.forward("r", x, pos)
+    assert int(x.argmax()) == tokens[-1]
+    for s in shards:
+        s.trim("r", len(seq) - 5)
+        assert s.kv.get("r").base > 0 or s.kv.get("r").n_sliding == 0
+    x = torch.tensor([seq[-5:-1]])
+    for s in shards:
+        x = s.forward("r", x, len(seq) - 5)
+    assert int(x.argmax()) == tokens[-1]

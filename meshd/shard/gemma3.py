@@ -146,22 +146,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: in
     outs = []
     for seg, qs, ks, vs in zip(rows.segments, rows.split_heads(q), rows.split_heads(k), rows.split_heads(v)):
         keys, values = seg.kv.append(li, ks, vs, seg.position)
+        first = seg.kv.first(li)  # a windowed layer's cache holds positions from `first` on (kv.py)
         if blocks.attends(qs, keys):
-            outs.append(_kernel_attention(qs, keys, values, seg.position, window, cfg))
+            outs.append(_kernel_attention(qs, keys, values, seg.position, window, cfg, first))
         else:
-            outs.append(attention(qs.to(keys.dtype), keys, values, seg.position, window, cfg.attn_scalar ** -0.5))
+            outs.append(attention(qs.to(keys.dtype), keys, values, seg.position, window, cfg.attn_scalar ** -0.5,
+                                  first))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).reshape(1, r, heads * hd)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int,
-              scale: float) -> torch.Tensor:
-    """Causal attention of queries at pos.. over the cached keys [0, pos + n), those at or beyond `window`
-    positions back masked (window 0: none), scores scaled by `scale`."""
+              scale: float, first: int = 0) -> torch.Tensor:
+    """Causal attention of queries at pos.. over the cached keys of positions [first, pos + n), those at or
+    beyond `window` positions back masked (window 0: none), scores scaled by `scale`."""
     b, heads, n, hd = q.shape
     kv_heads = keys.shape[1]
-    start = max(0, pos - window + 1) if window else 0  # no query reaches further back
-    keys, values = keys[:, :, start:], values[:, :, start:]
+    start = max(first, pos - window + 1) if window else first  # no query reaches further back
+    keys, values = keys[:, :, start - first:], values[:, :, start - first:]
     if n == 1:  # a decode step: the query heads that share a KV head go as its batch (see llama.attention)
         out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, heads // kv_heads, hd), keys, values, scale=scale)
         return out.view(b, heads, 1, hd)
@@ -174,20 +176,21 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
 
 
 def _kernel_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int,
-                      cfg: ModelConfig) -> torch.Tensor:
+                      cfg: ModelConfig, first: int = 0) -> torch.Tensor:
     """`attention` in the block kernel (float32 queries over bfloat16 KV), every row as its decode step
-    computes it: rows whose window reaches back to key 0 in one call, each later row over its own window.
-    The kernel scales by head_dim ** -0.5; another query_pre_attn_scalar scales the queries first."""
+    computes it: rows whose window reaches back to key 0 in one call, each later row over its own window
+    (the same keys in the same order wherever the cache starts). The kernel scales by head_dim ** -0.5;
+    another query_pre_attn_scalar scales the queries first."""
     if cfg.attn_scalar != cfg.head_dim:
         q = q * float((cfg.head_dim / cfg.attn_scalar) ** 0.5)
     n = q.shape[2]
-    if not window or pos + n <= window:
+    if first == 0 and (not window or pos + n <= window):
         return blocks.attention(q, keys, values, pos)
-    whole = max(0, window - pos)  # rows at positions < window see every key from 0
+    whole = max(0, window - pos) if first == 0 else 0  # rows at positions < window see every key from 0
     outs = [blocks.attention(q[:, :, :whole], keys[:, :, :pos + whole], values[:, :, :pos + whole], pos)] if whole else []
     for row in range(whole, n):
         at = pos + row
-        span = slice(at - window + 1, at + 1)
+        span = slice(at - window + 1 - first, at + 1 - first)
         outs.append(blocks.attention(q[:, :, row:row + 1], keys[:, :, span], values[:, :, span], window - 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -130,7 +130,9 @@ class Shard:
         end = self.end if end is None else end
         if not self.start <= start < end <= self.end:
             raise ValueError(f"this shard serves layers [{self.start}, {self.end}), not [{start}, {end})")
-        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start)
+        cfg = self.config  # a layer that attends over a window keeps KV for that window only (kv.py)
+        windows = tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in range(start, end))
+        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start, windows)
         self._ranges[key] = (start, end)
 
     def session_length(self, key: Hashable) -> int:
