@@ -267,3 +267,18 @@ def test_long_session_past_many_windows_with_rollback(tmp_path, recipe):
     for s in shards:
         x = s.forward("r", x, len(seq) - 5)
     assert int(x.argmax()) == tokens[-1]
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0])
+def test_native_sessions_in_a_batch_equal_sessions_alone(tmp_path, qtype):
+    """Prompts on both sides of the window, batched with one another's decode rows: bit for bit their solo runs
+    (Q4_0 in the block kernel, Q5_0 in torch's int4 layout)."""
+    from tests.test_batch import batched, solo
+
+    model = tiny_models.tiny_gemma3(seed=47, window=8)
+    art = open_artifact(tiny_models.write_gemma3_gguf(model, tmp_path / "b.gguf", qtype=qtype))
+    shards = [Shard(art, a, b, NATIVE) for a, b in CUTS]
+    prompts = [PROMPT[:5], PROMPT, PROMPT[:12], PROMPT[7:9]]
+    alone = [solo(shards, p, ("solo", k)) for k, p in enumerate(prompts)]
+    together = batched(shards, prompts, "batch")
+    assert all(torch.equal(a, b) for x, y in zip(alone, together) for a, b in zip(x, y))
