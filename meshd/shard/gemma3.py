@@ -27,7 +27,7 @@ from meshd.shard.rope import RopeScaling
 from meshd.shard.rows import Rows
 
 global_names = llama.global_names
-TABLE_START = 256  # rotary positions computed at first, doubled as needed (a 128k context of 256-wide heads: 256 MB a kind)
+TABLE_START = 256  # rotary positions at first, doubled as needed (128k positions of 256-wide heads: 256 MB a kind)
 
 
 @dataclass
