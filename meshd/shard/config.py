@@ -12,10 +12,10 @@ from meshd.shard import rope
 from meshd.shard.rope import RopeScaling
 
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "qwen3": "qwen3",
-             "qwen3moe": "qwen3"}  # GGUF `llama` with experts is Mixtral (family mixtral)
+             "qwen3moe": "qwen3", "gemma3": "gemma3"}  # GGUF `llama` with experts is Mixtral (family mixtral)
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
             "GPT2LMHeadModel": "gpt2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3",
-            "MixtralForCausalLM": "mixtral"}
+            "MixtralForCausalLM": "mixtral", "Gemma3ForCausalLM": "gemma3"}
 DEFAULT_THETA = {"MixtralForCausalLM": 1e6}  # transformers' default where config.json names none (else 1e4)
 # GGUF MoE keys that change the routing, with the value meshd computes (softmax gating, weights unscaled)
 MOE_NEUTRAL = {"expert_gating_func": 1, "expert_weights_scale": 1.0, "expert_shared_count": 0}
@@ -51,6 +51,12 @@ class ModelConfig:
     norm_topk: bool = True  # renormalise the chosen experts' weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers with a plain MLP although the model has experts
     sparse_step: int = 1  # every sparse_step-th layer is a MoE layer
+    # Gemma 3: these layers attend over the last `sliding_window` positions only, with RoPE base local_rope_theta
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 10000.0
+    attn_scalar: float = 0.0  # attention scores scaled by attn_scalar ** -0.5 (0: head_dim)
+    final_softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) (0: none)
 
     @property
     def adapter(self) -> str:
@@ -68,6 +74,10 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, md: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
         arch = md.get("general.architecture", "?")
+        if arch == "gemma3":
+            from meshd.shard.gemma3_config import gemma3_from_gguf
+
+            return gemma3_from_gguf(cls, md, tensor_names)
         if arch not in SUPPORTED:
             raise UnsupportedArchitecture(f"architecture {arch!r} has no meshd adapter (supported: {sorted(SUPPORTED)})")
         g = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
@@ -110,6 +120,10 @@ class ModelConfig:
         family = HF_ARCHS.get(archs[0])
         if family is None:
             raise UnsupportedArchitecture(f"architecture {archs[0]!r} has no meshd adapter (supported: {sorted(HF_ARCHS)})")
+        if family == "gemma3":
+            from meshd.shard.gemma3_config import gemma3_from_hf
+
+            return gemma3_from_hf(cls, c)
         if family == "gpt2":
             return cls(arch="gpt2", family="gpt2", n_layers=c["n_layer"], hidden=c["n_embd"], n_heads=c["n_head"],
                        n_kv_heads=c["n_head"], head_dim=c["n_embd"] // c["n_head"],

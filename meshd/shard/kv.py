@@ -4,6 +4,8 @@ Rules: a cache is keyed by (session id, epoch) and holds only this shard's layer
 positions arrive (never reserved at max length up front); every byte is charged to the store's
 budget, and growth past it evicts expired sessions first, then fails with `KVBudgetExceeded`.
 A lookup of an unknown or evicted session raises `CacheMiss`, never returns something empty.
+Layers that attend over a sliding window (Gemma 3) keep only what their window and a window of rollback
+need: their KV stays bounded by about three windows plus the pass in flight, however long the session.
 """
 
 from __future__ import annotations
@@ -26,12 +28,28 @@ class KVBudgetExceeded(RuntimeError):
 
 
 class SessionKV:
-    """K and V for one session: [layers, 1, kv heads, capacity, head dim] each, filled to `length`."""
+    """K and V for one session: [layers, 1, kv heads, capacity, head dim] each, filled to `length`.
 
-    def __init__(self, store: "KVStore", key: Hashable, max_length: int, n_layers: int) -> None:
+    Layers with a window (`windows[li]` > 0, one width for all) keep their own pair, `sk` and `sv`, which
+    hold positions from `base` on: when they run out of room, positions more than two windows back are
+    dropped (one window for attention, one for rollbacks), so a rollback of up to a window always finds
+    its keys, and a further one must replay from position 0.
+    """
+
+    def __init__(self, store: "KVStore", key: Hashable, max_length: int, n_layers: int,
+                 windows: tuple[int, ...] = ()) -> None:
         self.store, self.key, self.max_length, self.n_layers = store, key, max_length, n_layers
+        windows = tuple(windows) or (0,) * n_layers
+        if len(windows) != n_layers or len({w for w in windows if w}) > 1:
+            raise ValueError(f"windows {windows} for {n_layers} layers: one width (or 0) a layer expected")
+        self.window = max(windows, default=0)
+        full, sliding = [li for li, w in enumerate(windows) if not w], [li for li, w in enumerate(windows) if w]
+        self._slot = {li: (False, j) for j, li in enumerate(full)} | {li: (True, j) for j, li in enumerate(sliding)}
+        self.n_full, self.n_sliding = len(full), len(sliding)
         self.length = 0
-        self.k = self.v = store.empty(0, n_layers)
+        self.base = 0  # the first position the windowed layers hold
+        self.k = self.v = store.empty(0, self.n_full)
+        self.sk = self.sv = store.empty(0, self.n_sliding)
         self.last_used = store.clock()
 
     @property
@@ -40,7 +58,7 @@ class SessionKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return (self.k.numel() + self.sk.numel()) * self.k.element_size() * 2
 
     def reserve(self, pos: int, n: int) -> None:
         """Make room for positions [pos, pos + n); a pos before `length` truncates (a replay)."""
@@ -49,29 +67,60 @@ class SessionKV:
             raise ValueError(f"position {pos} skips ahead of the cached length {self.length}")
         if pos + n > self.max_length:
             raise ValueError(f"positions up to {pos + n} exceed the session's max length {self.max_length}")
+        if self.n_sliding and 0 < pos and max(0, pos - self.window + 1) < self.base:
+            raise ValueError(f"position {pos} needs keys from {pos - self.window + 1}, but the windowed layers"
+                             f" hold positions from {self.base} on; replay from position 0")
         self.length = pos
-        if pos + n > self.capacity:
+        if self.n_full and pos + n > self.capacity:
             cap = min(self.max_length, max(pos + n, 2 * self.capacity))
-            cap = min(self.max_length, -(-cap // GROW_STEP) * GROW_STEP)
-            self.store.charge(self, self.store.bytes_for(cap, self.n_layers) - self.nbytes)
-            k, v = self.store.empty(cap, self.n_layers), self.store.empty(cap, self.n_layers)
-            k[:, :, :, :self.length] = self.k[:, :, :, :self.length]
-            v[:, :, :, :self.length] = self.v[:, :, :, :self.length]
-            self.k, self.v = k, v
+            self.k, self.v = self._regrow(self.k, self.v, -(-cap // GROW_STEP) * GROW_STEP, 0)
+        if self.n_sliding:
+            self._reserve_window(pos, n)
+
+    def _reserve_window(self, pos: int, n: int) -> None:
+        if pos == 0:
+            self.base = 0
+        have = self.sk.shape[3]
+        if pos + n - self.base <= have:
+            return
+        base = max(self.base, pos - 2 * self.window + 1)  # the window, and a window of rollback
+        need = pos + n - base
+        cap = need + self.window if base > self.base else max(need, 2 * have)  # dropping: room for a window more
+        cap = min(self.max_length - base, -(-cap // GROW_STEP) * GROW_STEP)
+        self.sk, self.sv = self._regrow(self.sk, self.sv, cap, base - self.base, pos - base)
+        self.base = base
+
+    def _regrow(self, k: torch.Tensor, v: torch.Tensor, cap: int, skip: int, keep: int | None = None):
+        """New caches of `cap` positions holding the old ones' `keep` positions (default: the cached
+        length) from slot `skip` on, the difference in bytes charged to the budget."""
+        keep = self.length if keep is None else keep
+        self.store.charge(self, self.store.bytes_for(cap, k.shape[0]) - k.numel() * k.element_size() * 2)
+        new_k, new_v = self.store.empty(cap, k.shape[0]), self.store.empty(cap, k.shape[0])
+        new_k[:, :, :, :keep] = k[:, :, :, skip:skip + keep]
+        new_v[:, :, :, :keep] = v[:, :, :, skip:skip + keep]
+        return new_k, new_v
+
+    def first(self, li: int) -> int:
+        """The position of the first key and value `append` returns for layer li."""
+        return self.base if self._slot[li][0] else 0
 
     def append(self, li: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write layer li's new keys/values at pos; return all keys/values up to pos + n."""
+        """Write layer li's new keys/values at pos; return its keys/values from `first(li)` up to pos + n."""
+        sliding, j = self._slot[li]
+        keys, values, off = (self.sk, self.sv, self.base) if sliding else (self.k, self.v, 0)
         end = pos + k.shape[2]
-        self.k[li, :, :, pos:end] = k
-        self.v[li, :, :, pos:end] = v
-        return self.k[li, :, :, :end], self.v[li, :, :, :end]
+        keys[j, :, :, pos - off:end - off] = k
+        values[j, :, :, pos - off:end - off] = v
+        return keys[j, :, :, :end - off], values[j, :, :, :end - off]
 
     def layer(self, li: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer li's whole caches [1, kv heads, capacity, hd], for a kernel that writes positions
-        up to `end` in place (`reserve` made the room)."""
-        if end > self.capacity:
-            raise ValueError(f"positions up to {end} exceed the reserved {self.capacity}")
-        return self.k[li], self.v[li]
+        up to `end` in place (`reserve` made the room); layers without a window only."""
+        sliding, j = self._slot[li]
+        if sliding or end > self.capacity:
+            raise ValueError(f"positions up to {end} exceed the reserved {self.capacity}" if not sliding
+                             else f"layer {li} keeps a window; its caches do not start at position 0")
+        return self.k[j], self.v[j]
 
     def commit(self, end: int) -> None:
         self.length = end
@@ -97,13 +146,14 @@ class KVStore:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * n_layers * self.n_kv_heads * positions * self.head_dim * itemsize
 
-    def open(self, key: Hashable, max_length: int, n_layers: int | None = None) -> SessionKV:
-        """A new empty cache for key over n_layers layers (default: all of the shard's), replacing
-        and freeing any earlier one."""
+    def open(self, key: Hashable, max_length: int, n_layers: int | None = None,
+             windows: tuple[int, ...] = ()) -> SessionKV:
+        """A new empty cache for key over n_layers layers (default: all of the shard's), each with its
+        sliding window (0 or absent: none), replacing and freeing any earlier one."""
         with self._lock:
             self.release(key)
             kv = self._sessions[key] = SessionKV(self, key, max_length,
-                                                 self.n_layers if n_layers is None else n_layers)
+                                                 self.n_layers if n_layers is None else n_layers, windows)
             return kv
 
     def get(self, key: Hashable) -> SessionKV:
@@ -120,7 +170,8 @@ class KVStore:
             if kv is None:
                 return False
             self.used_bytes -= kv.nbytes
-            kv.k = kv.v = self.empty(0, kv.n_layers)
+            kv.k = kv.v = self.empty(0, kv.n_full)
+            kv.sk = kv.sv = self.empty(0, kv.n_sliding)
             return True
 
     def evict_expired(self) -> list[Hashable]:

@@ -16,7 +16,7 @@ from typing import Hashable
 import torch
 
 from meshd.node.log import get_logger
-from meshd.shard import gpt2, llama, mixtral, qwen3, rope
+from meshd.shard import gemma3, gpt2, llama, mixtral, qwen3, rope
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded, KVStore
@@ -32,7 +32,7 @@ class Owns:
     lm_head: bool  # ...and the LM head, and returns logits
 
 
-FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral}
+FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3}
 DEFAULT_KV_BUDGET = 1 << 30
 log = get_logger(__name__)
 
@@ -64,8 +64,11 @@ class Shard:
             # every hop that runs attention holds the tensors its rotary tables come from (Llama 3's factors)
             self.rope_tensors = [torch.from_numpy(artifact.read(name)).float()
                                  for name in rope.tensor_names(cfg.rope_scaling)]
-            self.rotary = (llama.Rotary(cfg, cfg.max_positions, *self.rope_tensors)
-                           if cfg.family != "gpt2" else None)
+            # a family with rotary tables of its own (Gemma 3: one per kind of layer) builds them
+            make_rotary = getattr(self.family, "rotary", None)
+            self.rotary = (make_rotary(cfg, *self.rope_tensors) if make_rotary is not None
+                           else llama.Rotary(cfg, cfg.max_positions, *self.rope_tensors) if cfg.family != "gpt2"
+                           else None)
         trim_heap()
         self.load_seconds = time.perf_counter() - t0
         # bytes of the weights held; fixed once loaded (status and metrics read it often)
@@ -127,7 +130,9 @@ class Shard:
         end = self.end if end is None else end
         if not self.start <= start < end <= self.end:
             raise ValueError(f"this shard serves layers [{self.start}, {self.end}), not [{start}, {end})")
-        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start)
+        cfg = self.config  # a layer that attends over a window keeps KV for that window only (kv.py)
+        windows = tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in range(start, end))
+        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start, windows)
         self._ranges[key] = (start, end)
 
     def session_length(self, key: Hashable) -> int:
