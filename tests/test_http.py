@@ -131,8 +131,11 @@ def test_meshctl_chat_keeps_a_conversation_and_ends_on_ctrl_d(mesh):
     assert out.stdout.startswith("you> " + alone.stdout.strip()), (out.stdout, alone.stdout)
     second = out.stdout.split("you> ")[2].strip()
     assert second and second != alone.stdout.strip()  # the second turn answered the second question
+    # SIGINT as a terminal delivers it: a test run started in the background (bash without job control)
+    # has SIGINT ignored, and a Python started with it ignored never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "chat"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen, deadline = "", time.monotonic() + 60  # Ctrl-C once it waits for a line (a loaded box takes
     while "Ctrl-C to leave" not in seen and time.monotonic() < deadline:  # seconds to import; 1.5 s was a guess)
         if select.select([proc.stderr], [], [], 1)[0]:

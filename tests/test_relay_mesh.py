@@ -150,7 +150,9 @@ def test_hole_punching_turns_relayed_connections_direct_where_the_nats_allow(nat
                 sts = [h.wait_for(lambda s: not s["relay"]["relayed_peers"], timeout=60, what="direct connections")
                        for h in homes]
                 punch = [st["relay"]["hole_punch"] for st in sts]
-                assert sum(p["upgraded"] for p in punch) >= 3  # three pairs of homes
+                # three pairs of homes, all direct (above); a pair whose punches cross can end direct
+                # through the other side's attempt, which neither side counts (seen once in CI: 2 of 3)
+                assert sum(p["upgraded"] for p in punch) >= 2
                 # status shows a home's own attempts; which side of a pair starts DCUtR varies by run
                 puncher = next(h for h, p in zip(homes, punch) if p["attempts"])
                 assert "hole punching:" in ctl(puncher.socket, ["status"]).stdout
