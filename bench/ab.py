@@ -39,6 +39,10 @@ def flatten(obj, prefix: str = "") -> dict[str, float]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(obj, list):  # rows of a table: named by their "sessions" (or similar) field if any
+        for i, v in enumerate(obj):
+            name = next((f"{k}={v[k]}" for k in ("sessions", "name", "mode") if isinstance(v, dict) and k in v), i)
+            out.update(flatten(v, f"{prefix}{name}."))
     elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
         out[prefix.rstrip(".")] = float(obj)
     return out
