@@ -128,16 +128,22 @@ def _decoder_gguf(model, path: Path, arch: str, qtype):
     return w, put, sd, c
 
 
+def _put_llama_attention(put, sd, c, i: int) -> None:
+    """Layer i's norms and attention as llama.cpp's converter writes a Llama's (Q/K rows permuted)."""
+    p = f"model.layers.{i}."
+    put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+    put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads), True)
+    put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads), True)
+    put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], True)
+    put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+
+
 def write_llama_gguf(model, path: Path, qtype=None) -> Path:
     w, put, sd, c = _decoder_gguf(model, path, "llama", qtype)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads), True)
-        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads), True)
-        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], True)
-        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+        _put_llama_attention(put, sd, c, i)
         put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], True)
         put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], True)
         put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], True)
@@ -227,12 +233,7 @@ def write_mixtral_gguf(model, path: Path, qtype=None) -> Path:
     w.add_expert_used_count(c.num_experts_per_tok)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads), True)
-        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads), True)
-        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], True)
-        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+        _put_llama_attention(put, sd, c, i)
         gate_up, ff = sd[p + "mlp.experts.gate_up_proj"], c.intermediate_size
         put(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
         put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :ff], True)

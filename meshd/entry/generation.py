@@ -64,7 +64,7 @@ class Entry:
                    else encode_prompt(self.tokenizer, req.prompt, req.chat))
             sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
         except (ValueError, TypeError, KeyError) as exc:  # a bad conversation, no chat template, bad sampling
-            raise GenerationError(ErrorCode.BAD_FRAME, f"cannot encode the prompt: {exc}") from None
+            raise GenerationError(ErrorCode.BAD_FRAME, f"bad request (prompt, conversation or sampling): {exc}") from None
         stop = stop_ids(self.config, self.tokenizer, req.ignore_eos)
         return Generation.start(ids, req.max_tokens, self.config.max_positions, stop), sampling
 

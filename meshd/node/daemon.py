@@ -270,9 +270,6 @@ class Daemon:
         """The entry a request this daemon cannot run is handed to (see `meshd/entry/policy.py`)."""
         return choose_entry(self.mesh.coverage.serving().records, dict(self.mesh.latency), self.mesh.peer_id, tried)
 
-    def relayed_peers(self) -> list[str]:
-        return self.dialer.relayed_peers() if self.dialer else []
-
     def status(self) -> dict:
         return daemon_status(self)
 

@@ -38,7 +38,7 @@ def daemon_status(d) -> dict:
         "reachability": d.reach.summary() if d.reach else None,
         "relay": {**(d.relaying.summary() if d.relaying else {"service": None, "client": None}),
                   "hole_punch": d.punch.summary() if d.punch else None,
-                  "relayed_peers": d.relayed_peers()},
+                  "relayed_peers": d.dialer.relayed_peers() if d.dialer else []},
         "compute_s": round(service.stats.compute_s, 3) if service else 0.0,
         "steps": service.stats.steps if service else 0,
         "queue": service.scheduler.queued if service else 0,

@@ -207,11 +207,8 @@ def embed(head: dict, ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.
 
 def load_tail(artifact, recipe, head: dict | None = None) -> dict:
     names = global_names(artifact.kind, artifact.config)
-    if head is not None and names["lm_head"] == names["embed"] and recipe.weight_dtype == "float32":
-        lm_head = head["embed"]  # tied: share the head's copy when one shard is both
-    else:
-        lm_head = load_matrix(artifact, [names["lm_head"]], recipe)
-    return {"final_norm": _norm(artifact, names["final_norm"], recipe), "lm_head": lm_head}
+    return {"final_norm": _norm(artifact, names["final_norm"], recipe),
+            "lm_head": llama.lm_head(artifact, recipe, names, head)}
 
 
 def final(tail: dict, x: torch.Tensor, cfg: ModelConfig, rows: Rows) -> torch.Tensor:

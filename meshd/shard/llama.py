@@ -228,14 +228,17 @@ def embed(head: dict, ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.
     return lookup(head["embed"], ids).to(dtype)
 
 
+def lm_head(artifact, recipe, names: dict, head: dict | None = None):
+    """The LM head; tied to the embedding, the head's own copy when one shard is both (float32)."""
+    if head is not None and names["lm_head"] == names["embed"] and recipe.weight_dtype == "float32":
+        return head["embed"]
+    return load_matrix(artifact, [names["lm_head"]], recipe)
+
+
 def load_tail(artifact, recipe, head: dict | None = None) -> dict:
     names = global_names(artifact.kind, artifact.config)
-    if head is not None and names["lm_head"] == names["embed"] and recipe.weight_dtype == "float32":
-        lm_head = head["embed"]  # tied: share the head's copy when one shard is both
-    else:
-        lm_head = load_matrix(artifact, [names["lm_head"]], recipe)
     return {"final_norm": blocks.norm_weight(torch.from_numpy(artifact.read(names["final_norm"])), recipe),
-            "lm_head": lm_head}
+            "lm_head": lm_head(artifact, recipe, names, head)}
 
 
 def final(tail: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelConfig, rows: Rows) -> torch.Tensor:
