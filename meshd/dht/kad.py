@@ -5,8 +5,9 @@ peer id belongs; its peers refuse them, so its lookups never leave the peers a n
 (NOTES-libp2p 14). Here a walk towards a record key sends GET_VALUE (whose key is the record key,
 and whose every answer names the responder's peers closest to SHA-256 of it), a walk towards a
 peer sends FIND_NODE with that peer's id, and a record is stored with PUT_VALUE at the k closest
-peers a walk found. Which peer to ask next is `meshd.dht.lookup`; this module moves the bytes,
-each query and each walk under a deadline. A value counts only if the DHT's validator accepts it.
+peers a walk found. Which peer to ask next is `meshd.dht.lookup`, one question and its answer
+`meshd.dht.kadclient`; this module runs the walks, each under a deadline. A value counts only if
+the DHT's validator accepts it.
 `MeshDHT` is py-libp2p's KadDHT (the answering side, with meshd's record validator) whose upkeep
 walks with this walker instead of with py-libp2p's own lookups.
 """
@@ -17,13 +18,11 @@ import os
 
 import multiaddr
 import trio
-import varint
-from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
-from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
+from meshd.dht.kadclient import KadClient
 from meshd.dht.lookup import ALPHA, K, Lookup, key_point, peer_point
 from meshd.dht.record import NAMESPACE
 from meshd.dht.validator import CoverageValidator
@@ -71,9 +70,12 @@ class KadWalker:
         self.k, self.alpha = k, alpha
         self.query_timeout, self.walk_timeout = query_timeout, walk_timeout
         self.me = host.get_id().to_bytes()
-        self.queries = 0  # questions sent, for benches and tests
-        self._kept: dict[ID, object] = {}  # peer -> open stream, for republishing to the same peers
-        self.dial = None  # async dial(peer ID): reach a peer the swarm cannot dial itself (through a relay)
+        self.client = KadClient(host, query_timeout)  # `client.dial` reaches peers through relays
+
+    @property
+    def queries(self) -> int:
+        """Questions sent, for benches and tests."""
+        return self.client.queries
 
     async def get(self, key: str, quorum: int = GET_QUORUM) -> bytes | None:
         """The best valid value stored under `key` (ours included), by a walk towards it; None if none."""
@@ -103,7 +105,7 @@ class KadWalker:
 
     async def _get_value(self, peer: ID, key: str) -> tuple[bytes | None, list[Message.Peer]]:
         """GET_VALUE: the valid value `peer` holds under `key` (or None) and the peers it names closer."""
-        reply = await self._ask(peer, Message(type=Message.MessageType.GET_VALUE, key=key.encode()))
+        reply = await self.client.ask(peer, Message(type=Message.MessageType.GET_VALUE, key=key.encode()))
         value = reply.record.value if reply.HasField("record") and reply.record.value else None
         return (value if value is not None and self._valid(key, value) else None), list(reply.closerPeers)
 
@@ -128,7 +130,7 @@ class KadWalker:
         republished to the same peers), streams stay open for the next time, to these peers only."""
         stored = 0
         if keep:
-            await self.close_kept(set(peers))
+            await self.client.close_kept(set(peers))
 
         async def one(peer: ID) -> None:
             nonlocal stored
@@ -136,7 +138,7 @@ class KadWalker:
             request.record.key, request.record.value = key.encode(), value
             t0 = trio.current_time()
             try:
-                reply = await self._ask(peer, request, keep=keep)
+                reply = await self.client.ask(peer, request, keep=keep)
             except Exception:
                 return
             if on_rtt is not None:
@@ -170,7 +172,7 @@ class KadWalker:
 
     def _find_node_asker(self, key: bytes):
         async def ask(p: bytes) -> list[Message.Peer]:
-            reply = await self._ask(ID(p), Message(type=Message.MessageType.FIND_NODE, key=key))
+            reply = await self.client.ask(ID(p), Message(type=Message.MessageType.FIND_NODE, key=key))
             return list(reply.closerPeers)
         return ask
 
@@ -182,7 +184,6 @@ class KadWalker:
         changed = trio.Event()
 
         async def query(peer: bytes) -> None:
-            nonlocal changed
             try:
                 closer = await ask(peer)
             except trio.TooSlowError:  # busy or frozen: not asked again in this walk, kept in the table
@@ -228,66 +229,9 @@ class KadWalker:
         except Exception:
             pass
 
-    async def _ask(self, peer: ID, request: Message, keep: bool = False) -> Message:
-        """One question, one answer; raises on any failure. The stream is fresh and closed after,
-        unless `keep`: then the one kept for this peer is used (a fresh one if it broke: a peer
-        resets it after any refusal) and kept again, sparing the protocol negotiation that costs
-        a Python peer about as much as the question itself."""
-        self.queries += 1
-        if keep and (kept := self._kept.pop(peer, None)) is not None:
-            try:
-                reply = await self._exchange(kept, request)
-            except Exception:
-                await _discard(kept, ok=False)
-            else:
-                await self._keep(peer, kept)
-                return reply
-        stream = None
-        ok = False
-        try:
-            with trio.fail_after(self.query_timeout):
-                if self.dial is not None and peer not in self.host.get_connected_peers():
-                    await self.dial(peer)
-                stream = await self.host.new_stream(peer, [PROTOCOL_ID])
-            reply = await self._exchange(stream, request)
-            ok = True
-            return reply
-        finally:
-            if stream is not None:
-                await (self._keep(peer, stream) if ok and keep else _discard(stream, ok))
-
-    async def _exchange(self, stream, request: Message) -> Message:
-        with trio.fail_after(self.query_timeout):
-            data = request.SerializeToString()
-            await stream.write(varint.encode(len(data)) + data)
-            raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
-        reply = Message()
-        reply.ParseFromString(raw)
-        return reply
-
-    async def _keep(self, peer: ID, stream) -> None:
-        old = self._kept.get(peer)
-        self._kept[peer] = stream
-        if old is not None and old is not stream:  # two pushes to one peer overlapped: one stream stays
-            await _discard(old, ok=True)
-
-    async def close_kept(self, keep: set[ID] = frozenset()) -> None:
-        """Close the kept streams of every peer not in `keep` (each holds a handler slot at its peer)."""
-        for peer in [p for p in self._kept if p not in keep]:
-            await _discard(self._kept.pop(peer), ok=True)
-
     def _valid(self, key: str, value: bytes) -> bool:
         try:
             self.dht.validator.validate(key, value)
             return True
         except Exception:
             return False
-
-
-async def _discard(stream, ok: bool) -> None:
-    """Close a stream after a clean exchange, reset it after a failed one; never raises, never hangs."""
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        try:
-            await (stream.close() if ok else stream.reset())
-        except Exception:
-            pass

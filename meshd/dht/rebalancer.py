@@ -20,6 +20,7 @@ from typing import Protocol
 
 import trio
 
+from meshd.dht.placement import place
 from meshd.dht.rebalance import Move, Persistence, own_move
 from meshd.dht.view import MeshView
 from meshd.node.log import get_logger
@@ -31,7 +32,20 @@ REBALANCE_PERIOD_S = 2.0
 PERSIST_ROUNDS = 3  # rounds in a row the plan must name this daemon before it moves (and one record TTL)
 MOVE_JITTER_S = (0.0, 2.0)
 DRAIN_POLL_S = 0.2
+AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
 log = get_logger(__name__)
+
+
+async def choose_first_range(mesh: MeshView, want: int, artifact, recipe, memory: int | None) -> tuple[int, int]:
+    """Coverage first: watch the mesh briefly, then take the largest gap `want` layers can fill."""
+    with trio.move_on_after(AUTO_SETTLE_S):
+        for _ in range(3):
+            await mesh.refresh()
+            await trio.sleep(0.5)
+    coverage = mesh.coverage.without(mesh.peer_id)
+    start, end = place(coverage, want, artifact, recipe, memory)
+    log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())
+    return start, end
 
 
 class Placed(Protocol):

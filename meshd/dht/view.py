@@ -17,18 +17,14 @@ import time
 import multiaddr
 import trio
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.kad import KadWalker
-from meshd.dht.record import CoverageRecord, RecordError, bump, open_record, record_key, sign_record
+from meshd.dht.records import LOOKUP_TIMEOUT, RecordReader
+from meshd.dht.record import CoverageRecord, bump, record_key, sign_record
 from meshd.node.log import get_logger
-from meshd.p2p.addrs import strip_peer
-from meshd.p2p.connections import forget_failed_dials
 
 COVERAGE_INTERVAL = 1.0  # a round that reads only pushed records costs no network traffic
-LOOKUP_TIMEOUT = 3.0  # a lookup through the DHT
-DIRECT_TIMEOUT = 1.5  # asking a connected peer for its own record
 ROUND_TIMEOUT = 3.5  # one refresh round; stragglers are cancelled and asked again next round
 REWALK_S = 60.0  # a publish walks for the closest peers this often, or when the set of peers changed
 MAX_PULL_BACKOFF_S = 60.0  # longest wait between pulls of a peer nobody holds a live record of
@@ -36,10 +32,11 @@ log = get_logger(__name__)
 
 
 class MeshView:
+    """This daemon's record and its publishing, the records of the peers it knows, and the coverage map."""
+
     def __init__(self, host, dht, key_pair, record: CoverageRecord, ttl_s: float, dial=None) -> None:
         """`dial(peer_id, addrs)`: the daemon's dialler (direct or through a relay); default: direct only."""
         self.host, self.dht, self.key_pair = host, dht, key_pair
-        self.dial = dial
         self.record, self.ttl_s = record, ttl_s
         self.known: dict[str, CoverageRecord] = {}
         self.latency: dict[str, float] = {}  # moving average of a record round trip per peer, seconds
@@ -48,7 +45,7 @@ class MeshView:
         self._targets: list[ID] = []  # where the last walk said this daemon's record belongs
         self._targets_at, self._targets_seen = 0.0, frozenset()
         self._next_pull: dict[str, tuple[float, float]] = {}  # peer -> (monotonic time, backoff s)
-        self._opened: dict[str, tuple[bytes, CoverageRecord]] = {}  # key -> last verified value
+        self.records = RecordReader(host, dht, self.walker, self._observe_rtt, dial)
 
     @property
     def peer_id(self) -> str:
@@ -106,36 +103,6 @@ class MeshView:
                 changes = {}
             await self.publish(**changes)
 
-    async def fetch(self, peer_id: str) -> CoverageRecord | None:
-        """A fresh, verified record of peer_id: asked of the peer itself when it is connected or can
-        be dialled (it always holds its newest record, and a walk can stall on an unrelated dead
-        peer), else found by a walk; None if neither answers in time."""
-        key = record_key(peer_id)
-        pid = ID.from_base58(peer_id)
-        value = None
-        if pid not in self.host.get_connected_peers():
-            await self._reconnect(pid, key)
-        if pid in self.host.get_connected_peers():
-            with trio.move_on_after(DIRECT_TIMEOUT):
-                try:
-                    t0 = time.perf_counter()
-                    value = await self.walker.get_from(pid, key)
-                    self._observe_rtt(peer_id, time.perf_counter() - t0)
-                except Exception:
-                    value = None
-        else:
-            with trio.move_on_after(LOOKUP_TIMEOUT):
-                try:
-                    value = await self.walker.get(key)
-                except Exception:
-                    value = None
-        if not isinstance(value, bytes):
-            return None
-        try:
-            return open_record(value, key=key)
-        except RecordError:
-            return None
-
     async def refresh(self) -> CoverageMap:
         """Rebuild the coverage map from fresh records of every peer we know of.
 
@@ -164,7 +131,7 @@ class MeshView:
                         self._note_circuits(rec)
 
         async def pull(pid: str) -> None:
-            rec = await self.fetch(pid)
+            rec = await self.records.fetch(pid, self.known.get(pid))
             take(pid, rec)
             backoff = self._next_pull.get(pid, (0.0, 0.0))[1]
             backoff = self.ttl_s / 3 if rec is not None else min(MAX_PULL_BACKOFF_S, max(self.ttl_s / 3, 2 * backoff))
@@ -173,7 +140,7 @@ class MeshView:
         with trio.move_on_after(ROUND_TIMEOUT):
             async with trio.open_nursery() as nursery:
                 for pid in candidates:
-                    pushed = self._stored_record(pid, now)
+                    pushed = self.records.stored(pid, now)
                     take(pid, pushed)
                     if pushed is not None and pushed.expires_at - now > self.ttl_s / 3:
                         continue  # pushed and fresh: its owner republishes long before it lapses
@@ -187,55 +154,6 @@ class MeshView:
                 self.latency.pop(pid, None)
         self._rebuild(now)
         return self.coverage
-
-    def _stored_record(self, peer_id: str, now: float) -> CoverageRecord | None:
-        """The live record of peer_id held in our own store (pushed here), verified once per value."""
-        key = record_key(peer_id)
-        stored = self.dht.value_store.get(key.encode())
-        if stored is None:
-            self._opened.pop(key, None)
-            return None
-        cached = self._opened.get(key)
-        if cached is not None and cached[0] == stored.value:
-            rec = cached[1]
-        else:
-            try:
-                rec = open_record(stored.value, key=key, allow_expired=True)
-            except RecordError:
-                return None
-            self._opened[key] = (stored.value, rec)
-        if rec.expired(now):  # useless to anyone (validators refuse it): it stops naming a candidate
-            self.dht.value_store.remove(key.encode())
-            self._opened.pop(key, None)
-            return None
-        return rec
-
-    async def _reconnect(self, pid: ID, key: str) -> None:
-        """Dial a peer we hold a record of (ours, or one stored at us), so it can be asked directly.
-
-        A transient dial failure must not hide a peer: py-libp2p keeps a negative cache of peers
-        whose addresses all failed once, so it is cleared before this deliberate retry.
-        """
-        stored = self.dht.value_store.get(key.encode())
-        addrs = None
-        if stored is not None:
-            try:
-                addrs = open_record(stored.value, key=key, allow_expired=True).dial_addrs
-            except RecordError:
-                addrs = None
-        if addrs is None and pid.to_base58() in self.known:
-            addrs = self.known[pid.to_base58()].dial_addrs
-        if not addrs:
-            return
-        forget_failed_dials(self.host.get_network(), pid)
-        with trio.move_on_after(DIRECT_TIMEOUT if self.dial is None else DIRECT_TIMEOUT * 2):
-            try:
-                if self.dial is not None:
-                    await self.dial(pid.to_base58(), addrs)
-                else:
-                    await self.host.connect(PeerInfo(pid, [multiaddr.Multiaddr(strip_peer(a)) for a in addrs]))
-            except Exception:
-                pass
 
     def _note_circuits(self, rec: CoverageRecord) -> None:
         """Keep a peer's circuit addresses in the peerstore, so the DHT's answers about it carry them

@@ -10,7 +10,6 @@ SIGINT withdraw the record, close sessions and remove the socket before the proc
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -25,8 +24,8 @@ from meshd.api.control import ControlServer
 from meshd.api.http import HttpApi, check_bind, serve_http
 from meshd.api.metrics import Metrics
 from meshd.dht.kad import MeshDHT
-from meshd.dht.placement import fit_range, largest_layer_bytes, place
-from meshd.dht.rebalancer import Rebalancer
+from meshd.dht.placement import fit_range, largest_layer_bytes
+from meshd.dht.rebalancer import Rebalancer, choose_first_range
 from meshd.dht.record import CoverageRecord, first_seq
 from meshd.dht.view import MeshView
 from meshd.entry.generation import Entry
@@ -34,6 +33,7 @@ from meshd.entry.policy import choose_entry
 from meshd.node.compute import ComputeExecutor
 from meshd.node.lifecycle import Lifecycle, State
 from meshd.node.log import get_logger
+from meshd.node.model import open_model
 from meshd.node.relaying import Relaying
 from meshd.node.settings import Settings
 from meshd.node.slot import Slot, forget_shard, open_slot
@@ -42,18 +42,15 @@ from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
 from meshd.relay.punch import HolePuncher
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
-from meshd.shard import blocks
-from meshd.shard.artifact import open_artifact
-from meshd.shard.footprint import check_fits
-from meshd.shard.recipe import get_recipe
 from meshd.wire.protocols import GEN_PROTOCOL, SHARD_PROTOCOL
 
 DRAIN_POLL_S = 0.2
-AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
 log = get_logger(__name__)
 
 
 class Daemon:
+    """One meshd node: wires its host, mesh view, slot, APIs and lifecycle; the parts hold the logic."""
+
     def __init__(self, settings: Settings, compute: ComputeExecutor) -> None:
         self.settings = settings
         self.compute = compute
@@ -83,15 +80,9 @@ class Daemon:
         self.stop_requested = trio.Event()
         self.trio_token = trio.lowlevel.current_trio_token()
         s = self.settings
-        self.artifact = await trio.to_thread.run_sync(open_artifact, s.model)
-        self.recipe = get_recipe(s.recipe, self.artifact)
-        await self.compute.run(blocks.divide_threads, s.threads or len(os.sched_getaffinity(0)), self.recipe)
+        self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
         cfg = self.artifact.config
-        self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.adapter, "artifact")
-        fixed = s.parse_layers(cfg.n_layers)
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
-        if fixed is not None and not relay_only:  # refuse before joining: a range that cannot fit is an operator's error
-            check_fits(self.artifact, self.recipe, *fixed, memory=s.memory)
         key_pair = load_or_create_identity(s.state_path)
         async with open_host(key_pair, s.listen) as host:
             self.host = host
@@ -108,7 +99,7 @@ class Daemon:
                                         recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
                                         model_name=self.artifact.name, serving=False, seq=first_seq())
                 self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.dialer.ensure_connected)
-                self.mesh.walker.dial = self.dialer.dial_known
+                self.mesh.walker.client.dial = self.dialer.dial_known
                 self.reach = Reachability(host, peers=self.dialer.mesh_peers)
                 host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
                 nursery.start_soon(self.reach.run)
@@ -127,7 +118,10 @@ class Daemon:
                         log.error("no bootstrap peer reachable; serving alone until one dials in")
                 if fixed is None:
                     self.lifecycle.to(State.CHOOSING)
-                    start, end = await self._choose_auto(cfg)
+                    self.rebalancer = Rebalancer(self, s.layers_wanted(cfg.n_layers,
+                                                                       largest_layer_bytes(self.artifact, self.recipe)))
+                    start, end = await choose_first_range(self.mesh, self.rebalancer.want, self.artifact, self.recipe,
+                                                          s.memory)
                 self.mesh.record = replace(self.mesh.record, start=start, end=end,
                                            auto_layers=self.rebalancer.want if self.rebalancer else 0)
                 await self.mesh.publish(**self._relay_fields())
@@ -205,19 +199,6 @@ class Daemon:
             self.trio_token.run_sync_soon(stop)
         except (AttributeError, trio.RunFinishedError):
             pass
-
-    async def _choose_auto(self, cfg) -> tuple[int, int]:
-        """Coverage first: watch the mesh briefly, then take the largest gap we can hold."""
-        with trio.move_on_after(AUTO_SETTLE_S):
-            for _ in range(3):
-                await self.mesh.refresh()
-                await trio.sleep(0.5)
-        want = self.settings.layers_wanted(cfg.n_layers, largest_layer_bytes(self.artifact, self.recipe))
-        coverage = self.mesh.coverage.without(self.mesh.peer_id)
-        self.rebalancer = Rebalancer(self, want)
-        start, end = place(coverage, want, self.artifact, self.recipe, self.settings.memory)
-        log.info("layers chosen", start=start, end=end, gaps=coverage.gaps(), counts=coverage.counts())
-        return start, end
 
     # what the rebalancer asks of its daemon (meshd/dht/rebalancer.py, `Placed`)
 
