@@ -47,6 +47,7 @@ def all_messages():
         w.StreamEvent(request_id=4, kind="done", stats={"tokens": 8, "route": [["a", 0, 30]]}),
         w.StatusRequest(request_id=5),
         w.DrainRequest(request_id=6, exit=True),
+        w.LedgerRequest(request_id=7, since=1.8e9, peer="12D3KooPeer"),
     ]
 
 

@@ -2,8 +2,9 @@
 
 Rules: the socket is created with mode 0600 (only the daemon's user may talk to it) and removed
 when the daemon stops; it speaks meshd.wire frames: `StatusRequest` gets one "status" event,
-`GenerateRequest` gets "text" events then one "done" or "error". A client that goes away cancels
-its generation, which releases the KV on every hop. A daemon without layer 0 forwards generation
+`LedgerRequest` one "ledger" event (the work ledger's totals), `GenerateRequest` "text" events then
+one "done" or "error". A client that goes away cancels its generation, which releases the KV on
+every hop. A daemon without layer 0 forwards generation
 requests to an entry it finds in the coverage map.
 """
 
@@ -21,7 +22,8 @@ from meshd.entry.handoff import hand_off
 from meshd.wire.protocols import GEN_PROTOCOL
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.wire import DrainRequest, ErrorCode, GenerateRequest, StatusRequest, StreamEvent, WireError
+from meshd.wire import (DrainRequest, ErrorCode, GenerateRequest, LedgerRequest, StatusRequest, StreamEvent,
+                        WireError)
 
 REQUEST_TIMEOUT = 30.0
 log = get_logger(__name__)
@@ -72,6 +74,9 @@ class ControlServer:
                 await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=self.daemon.status()))
             elif isinstance(msg, DrainRequest):
                 await self._drain(channel, msg)
+            elif isinstance(msg, LedgerRequest):
+                totals = await trio.to_thread.run_sync(self.daemon.ledger.totals, msg.since or None, msg.peer or None)
+                await channel.send(StreamEvent(request_id=msg.request_id, kind="ledger", stats=totals))
             elif isinstance(msg, GenerateRequest):
                 await self._generate_for(channel, msg, watch_client=True)
             else:

@@ -20,9 +20,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from meshd.api import openai
-from meshd.entry.errors import GenerationError
+from meshd.entry.errors import GenerationError, ended_normally
 from meshd.node.log import get_logger
-from meshd.api.metrics import ended_normally
 from meshd.wire import ErrorCode, StreamEvent
 
 MAX_BODY = 1 << 20

@@ -13,6 +13,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from meshd.entry.errors import ended_normally
 from meshd.p2p.channel import TRAFFIC
 from meshd.wire import ErrorCode, StreamEvent
 
@@ -77,14 +78,6 @@ class Metrics:
         return stats
 
 
-def ended_normally(exc: BaseException) -> bool:
-    """Whether an exception (possibly wrapped in task groups) ended a generation on purpose, e.g. a
-    stop sequence: its class says so with `ends_generation_normally = True`."""
-    if isinstance(exc, BaseExceptionGroup):
-        return any(ended_normally(e) for e in exc.exceptions)
-    return getattr(exc, "ends_generation_normally", False)
-
-
 class _Live:
     """Gauges read from the daemon at scrape time."""
 
@@ -110,3 +103,20 @@ class _Live:
         for (protocol, direction), n in sorted(TRAFFIC.items()):
             traffic.add_metric([protocol, direction], n)
         yield traffic
+        yield from ledger_metrics(self.daemon.ledger.totals())
+
+
+def ledger_metrics(totals: dict):
+    """The work ledger's totals (all it keeps) as counters."""
+    work = CounterMetricFamily("meshd_ledger_layer_tokens", "Layer-tokens computed, per peer: for_us (the peer"
+                               " for this daemon) or by_us (this daemon for the peer)", labels=["peer", "direction"])
+    for peer, row in sorted(totals["peers"].items()):
+        for direction in ("for_us", "by_us"):
+            work.add_metric([peer, direction], row[direction])
+    yield work
+    for kind in ("generations", "sessions"):
+        family = CounterMetricFamily(f"meshd_ledger_{kind}", f"{kind.capitalize()} in the work ledger, by outcome",
+                                     labels=["outcome"])
+        for outcome, n in sorted(totals[kind].items()):
+            family.add_metric([outcome], n)
+        yield family

@@ -5,6 +5,7 @@
             [--seed S] [--chat] [--stats] [--ignore-eos] PROMPT
     meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
     meshctl [--socket PATH] drain [--exit]
+    meshctl [--socket PATH] ledger [--json] [--since DATE] [--peer ID]
 
 Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
 Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
@@ -21,10 +22,11 @@ import os
 import random
 import socket as stdlib_socket
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from meshd.node.settings import default_socket, default_state_dir
-from meshd.wire import Decoder, DrainRequest, GenerateRequest, StatusRequest, WireError, encode
+from meshd.wire import Decoder, DrainRequest, GenerateRequest, LedgerRequest, StatusRequest, WireError, encode
 
 EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED, EXIT_BUSY = 3, 4, 5, 6
 EXIT_FOR = {"no_route": EXIT_NO_ROUTE, "busy": EXIT_BUSY}
@@ -283,6 +285,53 @@ def drain(path: Path, args) -> int:
     return 0
 
 
+def parse_since(text: str | None) -> float:
+    """`--since`: a date (2026-12-01), a date and time (2026-12-01T14:00, local time), or seconds since the epoch."""
+    if not text:
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--since {text!r}: a date like 2026-12-01, or seconds since the epoch"
+                                         ) from None
+
+
+def render_ledger(totals: dict) -> str:
+    """The ledger's totals as a table: per peer, the work each side did for the other."""
+    if not totals.get("enabled"):
+        return "no work ledger on this daemon (--ledger-days 0, or its database could not be written)"
+    gens, sessions = totals["generations"], totals["sessions"]
+    lines = [f"ledger      {totals.get('path')}",
+             "generations " + ", ".join(f"{n} {k}" for k, n in gens.items())
+             + f" ({totals['checked']} checked, {totals['unchecked']} unchecked)",
+             "sessions    " + ", ".join(f"{n} {k}" for k, n in sessions.items()) + " (served for other daemons)"]
+    if not totals["peers"]:
+        return "\n".join(lines + ["no work with other peers yet"])
+    lines.append(f"{'peer':<54} {'for us (layer-tokens)':>22} {'by us (layer-tokens)':>21}")
+    for peer, row in sorted(totals["peers"].items(), key=lambda kv: -(kv[1]["for_us"] + kv[1]["by_us"])):
+        lines.append(f"{peer:<54} {row['for_us']:>14} in {row['for_us_rows']:>4}"
+                     f" {row['by_us']:>13} in {row['by_us_rows']:>4}")
+    return "\n".join(lines)
+
+
+def ledger(path: Path, args) -> int:
+    conn = Connection(path)
+    try:
+        conn.send(LedgerRequest(request_id=new_request_id(), since=args.since, peer=args.peer or ""))
+        event = conn.receive(args.timeout)
+    finally:
+        conn.close()
+    if event.kind == "error":
+        print(f"meshctl: {event.text}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(dict(event.stats)) if args.json else render_ledger(dict(event.stats)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshctl", description="Talk to the local meshd daemon.")
     p.add_argument("--socket", help="the daemon's control socket (default: as meshd chooses)")
@@ -303,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     dr = sub.add_parser("drain", help="stop taking sessions and wait until running generations finish")
     dr.add_argument("--exit", action="store_true", help="then stop the daemon (as SIGTERM does)")
     dr.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the drain")
+    lg = sub.add_parser("ledger", help="the work this daemon and each peer did for each other")
+    lg.add_argument("--json", action="store_true", help="one JSON object")
+    lg.add_argument("--since", type=parse_since, default=0.0, help="only work since this date (2026-12-01)"
+                    " or time (seconds since the epoch)")
+    lg.add_argument("--peer", help="only this peer id")
+    lg.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     c = sub.add_parser("chat", help="an interactive chat in the terminal")
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
@@ -324,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             return chat(path, args)
         if args.command == "drain":
             return drain(path, args)
+        if args.command == "ledger":
+            return ledger(path, args)
         return generate(path, args)
     except DaemonUnreachable as exc:
         print(f"meshctl: {exc}", file=sys.stderr)

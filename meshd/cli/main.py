@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " before failing with 'mesh busy' (default 30)")
     join.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds running generations get to"
                       " finish before the daemon exits (default 30; a second SIGTERM exits at once)")
+    join.add_argument("--ledger-days", type=float, help="days the work ledger (ledger.sqlite3 in the state directory)"
+                      " keeps one row per generation and session before folding them into daily totals per peer"
+                      " (default 30; 0: keep no ledger)")
     join.add_argument("--move-cooldown", type=float, help="with --layers auto: seconds after a move to fill a gap"
                       " before this daemon moves again (default 60)")
     join.add_argument("--gather-ms", type=float, help="milliseconds a forward pass waits for other sessions'"

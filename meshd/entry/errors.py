@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import trio
+
 from meshd.wire import Error, ErrorCode
 
 BUSY_RETRY_S = 0.5  # the wait before trying a full mesh again, when a busy hop gives no hint
@@ -29,6 +31,19 @@ def hop_error(peer_id: str, err: Error, retriable: bool = False) -> HopFailed:
                      retriable=retriable or err.retriable or err.code == ErrorCode.UNKNOWN_SESSION)
 
 
+def outcome_of(exc: BaseException | None) -> str:
+    """How a generation that raised `exc` (None: returned) ended, for the ledger: completed (also a
+    stop sequence's cut), cancelled (the client went away, or the daemon stopped it), or failed."""
+    if exc is None or ended_normally(exc):
+        return "completed"
+    if isinstance(exc, BaseExceptionGroup):
+        inner = first_of(exc)
+        exc = inner if inner is not exc else exc.exceptions[0]
+    if isinstance(exc, (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, KeyboardInterrupt)):
+        return "cancelled"
+    return "failed"
+
+
 def first_of(group: BaseExceptionGroup) -> BaseException:
     """The error that matters in a task group: a generation or hop error if any, else the group."""
     for exc in group.exceptions:
@@ -37,3 +52,11 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
         if isinstance(exc, (HopFailed, GenerationError)):
             return exc
     return group
+
+
+def ended_normally(exc: BaseException) -> bool:
+    """Whether an exception (possibly wrapped in task groups) ended a generation on purpose, e.g. a
+    stop sequence: its class says so with `ends_generation_normally = True`."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(ended_normally(e) for e in exc.exceptions)
+    return getattr(exc, "ends_generation_normally", False)

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 import trio
 
 from meshd.entry.attempt import OPEN_TIMEOUT, Attempt
-from meshd.entry.errors import GenerationError, HopFailed, first_of, hop_error
+from meshd.entry.errors import GenerationError, HopFailed, first_of, hop_error, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.policy import BUSY_WAIT_S, Retries
 from meshd.entry.route import NoRoute, Route, link_latency, plan_around
@@ -46,7 +46,7 @@ class Entry:
 
     def __init__(self, service, tokenizer, config, model_fp: str, recipe_fp: str, mesh, open_stream, *,
                  end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True, microbatches: int = 2,
-                 replay_in_chunks: bool = False) -> None:
+                 replay_in_chunks: bool = False, ledger=None) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.model_fp, self.recipe_fp = model_fp, recipe_fp
         self.mesh, self.open_stream, self.end = mesh, open_stream, end
@@ -56,6 +56,7 @@ class Entry:
         # (0: exactly one per daemon on the route)
         self.replay_in_chunks = replay_in_chunks  # this shard's passes of many positions round like steps
         self.microbatch_use = Microbatches()
+        self.ledger = ledger  # the daemon's work ledger (meshd/node/ledger.py), when it keeps one
 
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
@@ -70,6 +71,19 @@ class Entry:
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         gen, sampling = self.start(req)
+        row = self.ledger.begin_generation(req.request_id) if self.ledger is not None else None
+        failure = None
+        try:
+            return await self._generate(req, gen, sampling, emit)
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            if self.ledger is not None:
+                self.ledger.end_generation(row, self.mesh.peer_id, outcome_of(failure), len(gen.ids), len(gen.tokens),
+                                           gen.work(), gen.reroutes)
+
+    async def _generate(self, req: GenerateRequest, gen: Generation, sampling, emit: Emit) -> dict:
         text = TextStream(self.tokenizer)
         retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s)
         while True:
@@ -109,7 +123,7 @@ class Entry:
     async def _attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit) -> None:
         epoch = retries.epoch
         route = self.plan(retries.failed, retries.busy)
-        gen.route = [[self.mesh.peer_id, 0, self.end]] + route.describe()
+        gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
         sid = os.urandom(16)
         at = Attempt(self.service, gen, sid, epoch, self.replay_in_chunks)
         daemons = len(route.hops) + 1

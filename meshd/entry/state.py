@@ -30,7 +30,9 @@ class Generation:
     tokens: list[int] = field(default_factory=list)  # generated so far (a reroute replays them)
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    route: list = field(default_factory=list)
+    route: list = field(default_factory=list)  # the current attempt's hops, [peer, start, end] each
+    attempts: list[tuple[list, int]] = field(default_factory=list)  # every route taken, with the tokens
+    # generated when it began (an attempt computes the prompt and every token up to the next one's start)
     reroutes: int = 0
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
@@ -53,6 +55,17 @@ class Generation:
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_tokens or bool(self.tokens and self.tokens[-1] in self.stop)
+
+    def begin_attempt(self, route: list) -> None:
+        """A new route for this generation (the first, or one after a reroute)."""
+        self.route = route
+        self.attempts.append((route, len(self.tokens)))
+
+    def work(self) -> list[tuple[list, int]]:
+        """Each route taken and the positions it computed: the prompt and the tokens fed back up to
+        where the next route took over (the last token of all is sampled, never fed)."""
+        ends = [began for _, began in self.attempts[1:]] + [max(0, len(self.tokens) - 1)]
+        return [(route, len(self.ids) + end) for (route, _), end in zip(self.attempts, ends)]
 
     def accept(self, token: int) -> bool:
         """Take the next generated token; True when it is the last one."""

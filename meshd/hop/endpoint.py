@@ -9,6 +9,7 @@ request cannot take down the daemon or touch another session. The tail samples a
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -39,6 +40,7 @@ class ShardEndpoint:
         self.max_sessions = max_sessions
         self.sessions = SessionTable()
         self.refused = 0  # sessions refused as busy
+        self.ledger = None  # the daemon's work ledger: one row per session served for another peer
 
     def handle(self, msg: Message) -> list[Message]:
         try:
@@ -47,21 +49,28 @@ class ShardEndpoint:
             if isinstance(msg, Forward):
                 return self._forward(msg)
             if isinstance(msg, (Close, Cancel)):
-                self.release((msg.session_id, msg.epoch))
+                self.release((msg.session_id, msg.epoch), "completed" if isinstance(msg, Close) else "cancelled")
                 return []
             return [Error(code=ErrorCode.BAD_FRAME, message=f"a shard does not take {type(msg).__name__}")]
         except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:
             return self._failed(msg, exc)
 
-    def release(self, key: tuple[bytes, int]) -> None:
-        self.sessions.pop(key, None)
+    def release(self, key: tuple[bytes, int], outcome: str = "failed") -> None:
+        """Let a session go: `completed` when its entry closed it, `cancelled`, or `failed` (its
+        stream was lost, or it sat idle past the KV TTL)."""
+        self._record(self.sessions.pop(key, None), outcome)
         self.shard.release(key)
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
         evicted = self.shard.evict_expired()
         for key in evicted:
-            self.sessions.pop(key, None)
+            self._record(self.sessions.pop(key, None), "failed")
         return evicted
+
+    def _record(self, session: HopSession | None, outcome: str) -> None:
+        if session is not None and session.requester and self.ledger is not None:
+            self.ledger.session_served(session.requester, *session.layers, session.positions, outcome,
+                                       session.opened_at)
 
     def capacity(self) -> Capacity:
         return Capacity(len(self.sessions), self.max_sessions, self.sessions.promised(), self.shard.kv.budget_bytes)
@@ -104,7 +113,8 @@ class ShardEndpoint:
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
         self.shard.open_session(key, msg.max_length, msg.start, msg.end)
-        self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need)
+        self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need,
+                                        layers=(msg.start, msg.end), opened_at=time.time())
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
 
     def _forward(self, msg: Forward) -> list[Message]:
@@ -152,6 +162,7 @@ class ShardEndpoint:
 
     def _reply(self, msg: Forward, out, next_position: int) -> list[Message]:
         state = self.sessions[(msg.session_id, msg.epoch)]
+        state.positions += next_position - msg.position
         if state.sampler is None:
             hidden = Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire))
             return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,

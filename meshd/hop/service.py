@@ -86,6 +86,7 @@ class ShardService:
         if not replies or not isinstance(replies[0], Opened) or session is None:
             return replies
         links = session.links = Links(home)
+        session.requester = getattr(home, "peer", "")
         if msg.next_peer and self.dial is not None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):

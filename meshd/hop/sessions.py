@@ -26,6 +26,10 @@ class HopSession:
     microbatch: int = 0  # the entry's microbatch: only frames of one microbatch share a forward pass
     promised: int = 0  # KV bytes it may grow to, promised at open (it never runs out mid-generation)
     links: Links | None = None  # where its outputs go, once opened over a stream (the service sets it)
+    layers: tuple[int, int] = (0, 0)  # the layers it runs here
+    requester: str = ""  # the peer that opened it over a stream (its entry); "" for the entry's own
+    positions: int = 0  # positions computed for it (the work ledger's count)
+    opened_at: float = 0.0  # wall clock
 
 
 class SessionTable(dict[Key, HopSession]):

@@ -31,6 +31,7 @@ from meshd.dht.view import MeshView
 from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
 from meshd.node.compute import ComputeExecutor
+from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State
 from meshd.node.log import get_logger
 from meshd.node.model import open_model
@@ -68,6 +69,7 @@ class Daemon:
         self.metrics = Metrics(self)
         self.http_addrs: list[str] = []
         self.dialer: Dialer | None = None  # every connection and stream to another peer
+        self.ledger = Ledger(None)  # the work ledger (opened in run; this one keeps nothing)
         self._drain_scope = trio.CancelScope()
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
 
@@ -84,6 +86,7 @@ class Daemon:
         cfg = self.artifact.config
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         key_pair = load_or_create_identity(s.state_path)
+        self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
         async with open_host(key_pair, s.listen) as host:
             self.host = host
             self.dialer = Dialer(host, latency=lambda: self.mesh.latency if self.mesh is not None else {},
@@ -164,6 +167,7 @@ class Daemon:
             evicted = await self.compute.run(self.slot.service.endpoint.evict_expired)
             if evicted:
                 log.info("evicted idle sessions", count=len(evicted))
+            await trio.to_thread.run_sync(self.ledger.roll_up)
 
     async def drain(self, reason: str, timeout: float | None = None) -> None:
         """Leave the mesh gently: refuse new sessions from other daemons, withdraw the record (peers
@@ -222,7 +226,7 @@ class Daemon:
         """Load a range and everything that serves it, without touching what this daemon serves now."""
         return await open_slot(start, end, artifact=self.artifact, recipe=self.recipe, recipe_fp=self.recipe_fp,
                                settings=self.settings, compute=self.compute, metrics=self.metrics,
-                               dial=self.dialer.dial_shard)
+                               dial=self.dialer.dial_shard, ledger=self.ledger)
 
     def switch_to(self, slot: Slot) -> Slot | None:
         """Serve a range loaded by `open_range`: new sessions and generations go to it from now on
@@ -232,7 +236,7 @@ class Daemon:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
-                               replay_in_chunks=slot.shard.passes_equal_steps)
+                               replay_in_chunks=slot.shard.passes_equal_steps, ledger=self.ledger)
         old, self.slot, self.throughput = self.slot, slot, slot.throughput
         return old
 

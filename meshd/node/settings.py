@@ -72,6 +72,7 @@ class Settings:
     wire_encoding: str = "raw"  # how hidden states travel: raw float32, zstd, or auto (zstd where it saves)
     chunk_tokens: int = 128  # prompt tokens per prefill chunk
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
+    ledger_days: float = 30.0  # the work ledger keeps rows this long, then daily totals per peer (0: no ledger)
 
     def configure(self) -> None:
         """Hand the parts below the node their settings: they read no environment themselves."""
@@ -85,6 +86,10 @@ class Settings:
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+    @property
+    def ledger_path(self) -> Path | None:
+        return self.state_path / "ledger.sqlite3" if self.ledger_days > 0 else None
 
     @property
     def socket_path(self) -> Path:

@@ -26,8 +26,8 @@ class Slot:
     entry: Entry | None = None  # the head's only: generations start here
 
 
-async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, settings, compute, metrics,
-                    dial) -> Slot:
+async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, settings, compute, metrics, dial,
+                    ledger=None) -> Slot:
     """Load layers [start, end) and what serves them (on the compute thread), without touching what
     the daemon serves now."""
     check_fits(artifact, recipe, start, end, memory=settings.memory)
@@ -46,6 +46,7 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
 
     shard, tokenizer = await compute.run(load)
     endpoint = ShardEndpoint(shard, artifact.fingerprint, recipe_fp, max_sessions=settings.max_sessions)
+    endpoint.ledger = ledger
     service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
     service.stats.on_step = metrics.observe_pass
     service.dial = dial

@@ -10,14 +10,15 @@ from meshd.wire.errors import (ChecksumMismatch, ChunkOrderError, FrameTooLarge,
                                TruncatedFrame, UnsupportedVersion, WireError)
 from meshd.wire.messages import (MAX_BATCH_FRAMES, MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, Close, DrainRequest,
                                  Error, ErrorCode, Forward, ForwardBatch, GenerateRequest, Heartbeat, Hello,
-                                 Message, MsgType, OpenSession, Opened, Phase, StatusRequest, StreamEvent, Token)
+                                 LedgerRequest, Message, MsgType, OpenSession, Opened, Phase, StatusRequest,
+                                 StreamEvent, Token)
 from meshd.wire.tensors import DTYPES, Tensor
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS", "DTYPES", "MAX_BATCH_FRAMES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Cancel",
     "ChecksumMismatch", "ChunkOrderError", "Close", "Decoder", "DrainRequest", "Error", "ErrorCode", "Forward",
     "ForwardBatch", "FrameTooLarge",
-    "GenerateRequest", "Heartbeat", "Hello", "Limits", "MalformedFrame", "Message", "MsgType",
+    "GenerateRequest", "Heartbeat", "Hello", "LedgerRequest", "Limits", "MalformedFrame", "Message", "MsgType",
     "OpenSession", "Opened", "Phase", "PrefillAssembler", "StatusRequest", "StreamEvent", "Tensor", "Token",
     "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens", "decode_frame",
     "encode", "set_chunk_tokens", "set_default_encoding",

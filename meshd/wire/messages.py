@@ -35,6 +35,7 @@ class MsgType(enum.IntEnum):
     STREAM_EVENT = 17
     STATUS = 18
     DRAIN = 19
+    LEDGER = 20
 
 
 class Phase(enum.IntEnum):
@@ -299,6 +300,16 @@ class DrainRequest(Message):
 
     request_id: int
     exit: bool = False
+
+
+@message(MsgType.LEDGER)
+class LedgerRequest(Message):
+    """A client asks its daemon for its work ledger's totals since `since` (seconds since the epoch;
+    0: all it keeps), for one peer or all; the answer is a StreamEvent of kind "ledger"."""
+
+    request_id: int
+    since: float = 0.0
+    peer: str = ""
 
 
 @message(MsgType.STREAM_EVENT)
