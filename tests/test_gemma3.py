@@ -195,7 +195,9 @@ def test_gguf_without_a_window_has_no_sliding_layers(tmp_path):
 def test_rotary_tables_grow_with_the_same_bits():
     """Tables computed up to the positions asked for carry, position by position, a full table's bits."""
     cfg = ModelConfig("gemma3", "gemma3", 1, 64, 4, 2, 32, 1, 1, 1e-6, rope_theta=1e6, max_positions=8192)
-    grown, full = gemma3.Rotary(cfg, cfg.max_positions), gemma3.llama.Rotary(cfg, cfg.max_positions)
+    grown = gemma3.llama.Rotary(cfg, cfg.max_positions)
+    full = gemma3.llama.Rotary(cfg, cfg.max_positions, first=cfg.max_positions)
+    assert grown.cos.shape[0] == gemma3.llama.TABLE_START and full.cos.shape[0] == 8192
     x = torch.randn(1, 4, 3, 32)
     for start in (0, 300, 700, 5000, 8189):
         assert torch.equal(grown.apply(x, start), full.apply(x, start)), start

@@ -27,7 +27,6 @@ from meshd.shard.rope import RopeScaling
 from meshd.shard.rows import Rows
 
 global_names = llama.global_names
-TABLE_START = 256  # rotary positions at first, doubled as needed (128k positions of 256-wide heads: 256 MB a kind)
 
 
 @dataclass
@@ -83,39 +82,15 @@ def load_layer(artifact, i: int, recipe) -> Gemma3Layer:
                        w_down=load_matrix(artifact, [n["down"]], recipe), sliding=i in cfg.sliding_layers)
 
 
-class Rotary(llama.Rotary):
-    """`llama.Rotary`'s tables, computed up to the positions asked for (doubled as they grow, at most the
-    model's context): a position's entries are elementwise products of its index, the same bits whatever
-    the length."""
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
-        self._args, self._max = (cfg, freq_factors), max_positions
-        super().__init__(cfg, min(max_positions, TABLE_START), freq_factors)
-
-    def _cover(self, end: int) -> None:
-        have = self.cos.shape[0]
-        if have < end <= self._max:
-            cfg, freq_factors = self._args
-            super().__init__(cfg, min(self._max, max(end, 2 * have)), freq_factors)
-
-    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        self._cover(start + x.shape[2])
-        return super().apply(x, start)
-
-    def apply_rows(self, x: torch.Tensor, rows) -> torch.Tensor:
-        self._cover(max(s.position + s.n for s in rows.segments))
-        return super().apply_rows(x, rows)
-
-
 @dataclass
 class Rotaries:
-    full: Rotary  # global layers: the model's base and scaling
-    local: Rotary  # sliding layers: their own base, unscaled
+    full: llama.Rotary  # global layers: the model's base and scaling
+    local: llama.Rotary  # sliding layers: their own base, unscaled
 
 
 def rotary(cfg: ModelConfig, *rope_tensors: torch.Tensor) -> Rotaries:
     local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=RopeScaling())
-    return Rotaries(Rotary(cfg, cfg.max_positions, *rope_tensors), Rotary(local, cfg.max_positions))
+    return Rotaries(llama.Rotary(cfg, cfg.max_positions, *rope_tensors), llama.Rotary(local, cfg.max_positions))
 
 
 def layer_forward(p: Gemma3Layer, x: torch.Tensor, cfg: ModelConfig, rotaries: Rotaries, rows: Rows,

@@ -18,6 +18,8 @@ from meshd.shard.config import ModelConfig
 from meshd.shard.linear import Weight, load_matrix, load_table, lookup
 from meshd.shard.rows import Rows
 
+TABLE_START = 256  # rotary positions at first, doubled as needed
+
 
 @dataclass
 class LlamaLayer:
@@ -107,13 +109,22 @@ class Rotary:
 
     rotate_half(x) * sin == roll(x, half) * signed_sin, with signed_sin = [-sin, sin] per half:
     the same products and sums as the reference, in three ops instead of six. An attention factor
-    (YaRN) scales both tables, as the reference scales its cos and sin.
+    (YaRN) scales both tables, as the reference scales its cos and sin. The tables reach the
+    positions asked for so far (`first` at first, doubled as they grow, at most the model's context:
+    128k positions of 128-wide heads would be 134 MB held from the start): a position's entries are
+    elementwise functions of its index, the same bits whatever the length.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None,
+                 first: int = TABLE_START) -> None:
+        self._args, self.max_positions = (cfg, freq_factors), max_positions
+        self._build(min(max_positions, first))
+
+    def _build(self, positions: int) -> None:
+        cfg, freq_factors = self._args
         scaling = getattr(cfg, "rope_scaling", None) or rope.RopeScaling()
         inv_freq, attention = rope.inverse_frequencies(scaling, cfg.rope_theta, cfg.head_dim, freq_factors)
-        pos = torch.arange(max_positions, dtype=torch.float32)
+        pos = torch.arange(positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, sin = emb.cos(), freqs.sin()
@@ -122,9 +133,16 @@ class Rotary:
         self.signed_sin = torch.cat([-sin, sin], dim=-1)
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self.cos, self.signed_sin)}
 
+    def cover(self, end: int) -> None:
+        """Make the tables reach position `end` (doubling, at most the model's context)."""
+        have = self.cos.shape[0]
+        if have < end <= self.max_positions:
+            self._build(min(self.max_positions, max(end, 2 * have)))
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: [1, heads, n, head_dim] at positions start..start+n-1."""
         n = x.shape[2]
+        self.cover(start + n)
         cos, sin = self._tables(x.dtype)
         return self._rotate(x, cos[start:start + n], sin[start:start + n])
 
@@ -133,6 +151,7 @@ class Rotary:
         (elementwise: a row gets the same bits as alone)."""
         if len(rows.segments) == 1:
             return self.apply(x, rows.segments[0].position)
+        self.cover(max(seg.position + seg.n for seg in rows.segments))
         cos, sin = self._tables(x.dtype)
         at = rows.positions()
         return self._rotate(x, cos[at], sin[at])
@@ -180,6 +199,7 @@ def _layer_forward_blocks(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rota
     if p.kernel_args is None:
         p.kernel_args = blocks.layer_args(p)
     segments = [(s.row, s.n, s.position, *s.kv.layer(li, s.position + s.n)) for s in rows.segments]
+    rotary.cover(max(s.position + s.n for s in rows.segments))
     blocks.layer(y, p.kernel_args, cfg.norm_eps, rotary.cos, rotary.signed_sin, cfg.n_heads, cfg.n_kv_heads,
                  cfg.head_dim, segments)
     return y.view(1, x.shape[1], -1)
