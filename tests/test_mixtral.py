@@ -70,7 +70,7 @@ def test_softmax_then_renormalise_is_the_softmax_of_the_chosen_logits():
     assert torch.allclose(weights, torch.softmax(top_logits, dim=-1), rtol=1e-6, atol=1e-7)
 
 
-def _gguf(path, dense_layer=False, **keys):
+def _gguf(path, dense_layer=False, per_expert=False, **keys):
     w = tiny_models.gguf.GGUFWriter(str(path), "llama")
     for k, v in {"block_count": 2, "embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 32,
                  "expert_count": 8, "expert_used_count": 2, **keys}.items():
@@ -78,6 +78,8 @@ def _gguf(path, dense_layer=False, **keys):
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     for i in range(1 if dense_layer else 2):
         w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", np.zeros((8, 4), np.float32))
+        if per_expert:  # llama.cpp's layout before stacked expert tensors: one tensor per expert
+            w.add_tensor(f"blk.{i}.ffn_gate.0.weight", np.zeros((4, 4), np.float32))
     tiny_models._finish(w)
     return path
 
@@ -87,6 +89,7 @@ def _gguf(path, dense_layer=False, **keys):
     ({"expert_gating_func": 2}, "expert_gating_func"),
     ({"expert_shared_count": 1}, "expert_shared_count"),
     ({"expert_weights_scale": 2.5}, "expert_weights_scale"),
+    ({"per_expert": True}, "one tensor each"),
 ])
 def test_routing_it_does_not_compute_is_refused_by_name(tmp_path, keys, match):
     with pytest.raises(UnsupportedArchitecture, match=match):

@@ -112,6 +112,10 @@ class ModelConfig:
         )
         if family == "mixtral" and cfg.dense_layers:
             raise UnsupportedArchitecture(f"a GGUF llama with experts (Mixtral) but plain MLP layers {cfg.dense_layers}")
+        if family == "mixtral" and "blk.0.ffn_gate.0.weight" in tensor_names:
+            raise UnsupportedArchitecture("this GGUF stores Mixtral's experts one tensor each (llama.cpp's layout"
+                                          " before stacked ffn_*_exps tensors); convert the model again with a current"
+                                          " llama.cpp, or give meshd its Hugging Face directory")
         return cfg
 
     @classmethod
