@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.shard import footprint, gemma3
 from meshd.shard.artifact import open_artifact
@@ -232,6 +234,36 @@ def test_windowed_kv_stays_bounded_and_returns_the_window():
     assert kv.first(1) <= 5000 - 2 * w + 1
     kv.reserve(0, 4)  # a replay from the start
     assert kv.base == 0 and store.release("s") and store.used_bytes == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(window=st.sampled_from([16, 64, 100, 512]), length=st.integers(1, 3000), seed=st.integers(0, 2**31),
+       rows=st.sampled_from([1, 7, 128]))
+def test_what_admission_promises_a_windowed_session_bounds_what_it_holds(window, length, seed, rows):
+    """Fed in passes of up to `rows` positions (prefill chunks, decode steps, rollbacks of up to a window),
+    a session never holds more KV than `bytes_for_session` promised it at open, and for windows much
+    shorter than the session the promise is far below a full-attention one's."""
+    import random
+
+    from meshd.shard.kv import KVStore
+
+    windows = (0, window, window)
+    store = KVStore(3, 1, 2, torch.float32, budget_bytes=1 << 30)
+    promise = store.bytes_for_session(length, windows, rows)
+    kv = store.open("s", max_length=length, n_layers=3, windows=windows)
+    rng, pos, high = random.Random(seed), 0, 0
+    while pos < length:
+        n = min(length - pos, rng.randint(1, rows))
+        kv.reserve(pos, n)
+        kv.commit(pos + n)
+        assert kv.nbytes <= promise
+        pos += n
+        high = max(high, pos)
+        if rng.random() < 0.1 and pos > 1:  # rejected drafts roll back, at most a window from the furthest
+            pos = max(pos - rng.randint(1, 16), high - window, 1)
+            kv.commit(pos)
+    if length > 10 * (4 * window + 2 * rows):  # two of three layers hold a fraction of a long session
+        assert promise < store.bytes_for_session(length, (0, 0, 0)) * 0.45
 
 
 @pytest.mark.parametrize("recipe", [EXACT, NATIVE])

@@ -86,7 +86,7 @@ class ShardEndpoint:
 
     def free_sessions(self) -> int:
         """Sessions of a typical length (`TYPICAL_LENGTH` positions) that would be admitted now."""
-        return self.capacity().free_sessions(self.shard.kv.bytes_for(TYPICAL_LENGTH))
+        return self.capacity().free_sessions(self.shard.session_kv_bytes(TYPICAL_LENGTH))
 
     def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
@@ -104,7 +104,7 @@ class ShardEndpoint:
                                 f" {self.shard.end}), not [{msg.start}, {msg.end})")]
         key = (msg.session_id, msg.epoch)
         length = min(msg.max_length or self.shard.max_positions, self.shard.max_positions)
-        need = self.shard.kv.bytes_for(max(0, length), msg.end - msg.start)
+        need = self.shard.session_kv_bytes(max(0, length), msg.start, msg.end)
         why = self.admit(key, need)
         if why is not None:
             self.refused += 1

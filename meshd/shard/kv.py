@@ -17,6 +17,16 @@ from typing import Callable, Hashable
 import torch
 
 GROW_STEP = 64
+WINDOW_ROWS = 128  # positions a pass feeds a session at most, as admission assumes (a prefill chunk)
+
+
+def window_positions(window: int, length: int, rows: int = WINDOW_ROWS) -> int:
+    """Positions a layer's cache may hold for a session of `length` positions fed at most `rows` at a
+    time: all of them without a window; with one, its window, a window of rollback and the growth
+    room `_reserve_window` leaves, rounded to the grow step, never more than `length`."""
+    if not window:
+        return length
+    return min(length, -(-(4 * window + 2 * rows) // GROW_STEP) * GROW_STEP)
 
 
 class CacheMiss(KeyError):
@@ -72,8 +82,8 @@ class SessionKV:
                              f" hold positions from {self.base} on; replay from position 0")
         self.length = pos
         if self.n_full and pos + n > self.capacity:
-            cap = min(self.max_length, max(pos + n, 2 * self.capacity))
-            self.k, self.v = self._regrow(self.k, self.v, -(-cap // GROW_STEP) * GROW_STEP, 0)
+            cap = min(self.max_length, -(-max(pos + n, 2 * self.capacity) // GROW_STEP) * GROW_STEP)
+            self.k, self.v = self._regrow(self.k, self.v, cap, 0)
         if self.n_sliding:
             self._reserve_window(pos, n)
 
@@ -145,6 +155,12 @@ class KVStore:
         n_layers = self.n_layers if n_layers is None else n_layers
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * n_layers * self.n_kv_heads * positions * self.head_dim * itemsize
+
+    def bytes_for_session(self, length: int, windows: tuple[int, ...], rows: int = WINDOW_ROWS) -> int:
+        """The most bytes a session of `length` positions over layers with these windows (0: full
+        attention) may hold, fed at most `rows` positions a pass: a full layer holds every position,
+        a windowed one at most `window_positions` of them."""
+        return sum(self.bytes_for(window_positions(w, length, rows), 1) for w in windows)
 
     def open(self, key: Hashable, max_length: int, n_layers: int | None = None,
              windows: tuple[int, ...] = ()) -> SessionKV:

@@ -130,10 +130,20 @@ class Shard:
         end = self.end if end is None else end
         if not self.start <= start < end <= self.end:
             raise ValueError(f"this shard serves layers [{self.start}, {self.end}), not [{start}, {end})")
-        cfg = self.config  # a layer that attends over a window keeps KV for that window only (kv.py)
-        windows = tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in range(start, end))
-        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start, windows)
+        self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start,
+                     self.windows(start, end))
         self._ranges[key] = (start, end)
+
+    def windows(self, start: int, end: int) -> tuple[int, ...]:
+        """Each layer's attention window over [start, end) (0: full): a layer that attends over a
+        window keeps KV for that window only (kv.py)."""
+        cfg = self.config
+        return tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in range(start, end))
+
+    def session_kv_bytes(self, length: int, start: int | None = None, end: int | None = None) -> int:
+        """The most KV bytes a session of `length` positions over [start, end) may hold here."""
+        return self.kv.bytes_for_session(length, self.windows(self.start if start is None else start,
+                                                              self.end if end is None else end))
 
     def session_length(self, key: Hashable) -> int:
         """Positions cached for this session (CacheMiss if it has no KV here)."""
