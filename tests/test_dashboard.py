@@ -4,12 +4,14 @@ which HTTP routes need the token. Real daemons behind it: tests/test_dashboard_b
 import json
 import re
 
+import httpx
 import pytest
 
 from meshd.api import dashboard
 from meshd.api.http import HttpApi
 from meshd.api.metrics import Metrics
 from meshd.api.recent import RecentGenerations
+from meshd.testing.localmesh import Mesh, ctl
 from meshd.wire import StreamEvent
 
 TOKEN = "t0ken"
@@ -113,3 +115,30 @@ async def test_without_a_token_the_status_is_open():
     assert status == 200 and json.loads(body)["peer_id"] == "12D3KooWsecretpeer"
     status, headers, _ = await call(app, "/dashboard.js")
     assert status == 200 and headers[b"content-type"].startswith(b"text/javascript")
+
+
+@pytest.mark.slow
+def test_a_real_daemon_serves_the_page_and_its_status_behind_the_token():
+    m = Mesh()
+    try:
+        d = m.start("solo", ["--layers", "0:30", "--http", "127.0.0.1:0", "--http-token", TOKEN])
+        st = d.wait_serving()
+        base, auth = st["http"][0], {"authorization": f"Bearer {TOKEN}"}
+        page = httpx.get(base + "/", timeout=10)
+        assert page.status_code == 200 and "dashboard.js" in page.text and st["peer_id"] not in page.text
+        assert httpx.get(base + "/v1/meshd/status", timeout=10).status_code == 401
+        prompt = "Name a colour."
+        answer = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=120, json={
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0}).json()
+        over_http = httpx.get(base + "/v1/meshd/status", headers=auth, timeout=10).json()
+        printed = json.loads(ctl(d.socket, ["status", "--json"]).stdout)
+        assert set(over_http) == set(printed)  # the same object as meshctl status --json
+        for key in ("peer_id", "range", "model", "complete", "gaps", "coverage", "file_bytes", "recent_generations"):
+            assert over_http[key] == printed[key], key
+        recent = over_http["recent_generations"]
+        assert len(recent) == 1 and recent[0]["route"] == [[st["peer_id"], 0, 30]] and recent[0]["ttft_s"] > 0
+        text = answer["choices"][0]["message"]["content"]
+        assert prompt not in json.dumps(over_http) and text not in json.dumps(over_http)
+        assert over_http["weight_bytes"] <= 1.1 * over_http["file_bytes"]  # 4-bit blocks stay 4-bit
+    finally:
+        m.close()
