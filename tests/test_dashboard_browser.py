@@ -75,15 +75,29 @@ def shot(driver, name: str) -> Path:
     return path
 
 
+def read(driver, selector: str, fields: str) -> list:
+    """`fields` (a JS expression of `e`) of every element matching `selector`, read in one script:
+    the page redraws every poll, so an element found in one call may be gone by the next."""
+    return driver.execute_script(f"return [...document.querySelectorAll(arguments[0])].map(e => {fields})", selector)
+
+
 def bars(driver) -> list[tuple[str, str]]:
     """(range, peer) of every bar of the coverage map, in layer order."""
-    return sorted(((e.get_attribute("data-range"), e.get_attribute("data-peer"))
-                   for e in driver.find_elements(By.CSS_SELECTOR, "#coverage g.bar")),
-                  key=lambda rp: [int(v) for v in rp[0].split(":")])
+    found = read(driver, "#coverage g.bar", "[e.dataset.range, e.dataset.peer]")
+    return sorted((tuple(b) for b in found), key=lambda rp: [int(v) for v in rp[0].split(":")])
 
 
 def gaps(driver) -> list[str]:
-    return [e.get_attribute("data-range") for e in driver.find_elements(By.CSS_SELECTOR, "#coverage g.gap")]
+    return read(driver, "#coverage g.gap", "e.dataset.range")
+
+
+def title(driver, selector: str) -> str:
+    """What hovering the bar at `selector` shows."""
+    return read(driver, selector + " > title", "e.textContent")[0]
+
+
+def node(driver, key: str) -> str:
+    return read(driver, f'#node dd[data-key="{key}"]', "e.textContent")[0]
 
 
 def verdict(driver) -> str:
@@ -107,14 +121,52 @@ def test_the_entry_shows_three_bars_covering_the_model_and_complete(mesh, browse
     want = [(f"{a}:{b}", d.status()["peer_id"]) for d, (a, b) in zip(daemons, [(0, 10), (10, 20), (20, 30)])]
     wait(browser, 20, "three bars and complete", lambda d: bars(d) == want and verdict(d) == "complete")
     assert gaps(browser) == []
-    own = browser.find_element(By.CSS_SELECTOR, "#coverage g.bar.self")
-    assert own.get_attribute("data-range") == "0:10"
-    title = own.find_element(By.TAG_NAME, "title").get_attribute("textContent")  # what hovering shows
-    assert daemons[0].status()["peer_id"] in title and "layer/s" in title
-    peer_title = browser.find_element(By.CSS_SELECTOR, '#coverage g.bar[data-range="20:30"] title')
-    assert "rtt" in peer_title.get_attribute("textContent") and "reached directly" in peer_title.get_attribute("textContent")
-    assert browser.find_element(By.CSS_SELECTOR, '#node dd[data-key="state"]').text == "serving"
+    assert read(browser, "#coverage g.bar.self", "e.dataset.range") == ["0:10"]
+    own = title(browser, "#coverage g.bar.self")
+    assert daemons[0].status()["peer_id"] in own and "layer/s" in own and "this daemon" in own
+    peer = title(browser, '#coverage g.bar[data-range="20:30"]')
+    assert "rtt" in peer and "reached directly" in peer
+    assert node(browser, "state") == "serving"
     shot(browser, "1-complete")
+
+
+MADE_UP = {  # a status no three-daemon loopback mesh shows: replicas, a relayed and an excluded peer, a gap
+    "peer_id": "12D3KooWself", "state": "draining", "drain_reason": "stop", "range": [0, 10], "n_layers": 30,
+    "model": "m", "recipe": "native", "complete": False, "gaps": [[25, 30]], "coverage": [2] * 10 + [2] * 10 + [1] * 5 + [0] * 5,
+    "throughput": 100.0, "sessions": 0, "kv_bytes": 0, "generations": 0, "weight_bytes": 1, "file_bytes": 1,
+    "relay": {"service": None, "client": None, "relayed_peers": ["12D3KooWrelayed"]}, "recent_generations": [],
+    "peers": [{"peer_id": "12D3KooWreplica", "range": [0, 10], "serving": True, "throughput": 90.0, "rtt_ms": 1.5},
+              {"peer_id": "12D3KooWrelayed", "range": [10, 25], "serving": True, "throughput": 80.0, "rtt_ms": 9.0},
+              {"peer_id": "12D3KooWexcluded", "range": [10, 20], "serving": True, "throughput": 70.0, "rtt_ms": 2.0,
+               "excluded": True},
+              {"peer_id": "12D3KooWbootstrap", "range": [0, 0], "serving": True, "throughput": 0.0, "rtt_ms": 1.0}]}
+
+
+def test_replicas_stack_and_each_bar_says_how_its_peer_is_reached(mesh, browser):
+    """The drawing of a made-up status (the page's own poll, its fetch answered in the page); the
+    real statuses are the other tests'."""
+    m, (d0, d1, d2) = mesh
+    browser.get(url(d0) + "/")
+    wait(browser, 20, "the mesh", lambda d: verdict(d) == "complete")
+    browser.execute_script("""const status = arguments[0];
+        window.fetch = async () => new Response(JSON.stringify(status), {status: 200});""", MADE_UP)
+    wait(browser, 10, "the made-up status, without a reload", lambda d: verdict(d) == "INCOMPLETE")
+    got = {peer: tuple(rest) for peer, *rest in read(
+        browser, "#coverage g.bar",
+        "[e.dataset.peer, e.dataset.range, e.dataset.link, e.dataset.state, e.querySelector('rect').getAttribute('y')]")}
+    top, below = got["12D3KooWself"][3], got["12D3KooWreplica"][3]
+    assert float(top) < float(below)  # the replica of 0:10 is stacked under this daemon's bar
+    assert got == {"12D3KooWself": ("0:10", "self", "draining", top),
+                   "12D3KooWreplica": ("0:10", "direct", "serving", below),
+                   "12D3KooWexcluded": ("10:20", "excluded", "serving", top),  # the shorter first
+                   "12D3KooWrelayed": ("10:25", "relayed", "serving", below)}  # no bar for the bootstrap node
+    assert gaps(browser) == ["25:30"]
+    relayed = title(browser, '#coverage g.bar[data-link="relayed"]')
+    assert "12D3KooWrelayed" in relayed and "reached through a relay" in relayed and "rtt 9.0 ms" in relayed
+    assert "excluded from routes" in title(browser, '#coverage g.bar[data-link="excluded"]')
+    assert node(browser, "state") == "draining (stop)"
+    assert "…tstrap" in browser.find_element(By.ID, "coverage-notes").text  # listed, without layers
+    shot(browser, "0-made-up-replicas")
 
 
 def test_the_chat_box_streams_what_meshctl_generates(mesh, browser):
@@ -141,7 +193,7 @@ def test_the_chat_box_streams_what_meshctl_generates(mesh, browser):
     assert answer.get_attribute("textContent") == expected
     assert browser.execute_script("return window.assistantUpdates") > 1  # it arrived in pieces
     wait(browser, 10, "the generation in the recent table",
-         lambda d: len(d.find_elements(By.CSS_SELECTOR, "#recent tbody tr")) >= 2)  # meshctl's, then the page's
+         lambda d: len(read(d, "#recent tbody tr", "1")) >= 2)  # meshctl's, then the page's
     status = httpx.get(url(d0) + "/v1/meshd/status", timeout=10).text
     assert PROMPT not in status and expected not in status  # timings and routes only
     recent = json.loads(status)["recent_generations"][0]

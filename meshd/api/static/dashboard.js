@@ -81,7 +81,9 @@
                  throughput: p.throughput, rtt: p.rtt_ms, circuits: (p.relay_addrs || []).length,
                  link: p.excluded ? "excluded" : relayed.has(p.peer_id) ? "relayed" : "direct" });
     }
-    return out.sort((a, b) => a.start - b.start || a.end - b.end || (a.peer < b.peer ? -1 : 1));
+    // by first layer, this daemon first among equals (so it keeps the top lane), then by last layer
+    const own = (b) => (b.link === "self" ? 0 : 1);
+    return out.sort((a, b) => a.start - b.start || own(a) - own(b) || a.end - b.end || (a.peer < b.peer ? -1 : 1));
   }
 
   function stack(bars) {
@@ -184,7 +186,7 @@
       ["queue", `${st.queue || 0} frames waiting for a pass`],
       ["batches", b.passes ? `mean ${b.mean_batch} sessions/pass, largest ${b.largest_batch}, ${b.passes} passes`
         : "no pass yet"],
-      ["busy", `${st.busy_refusals || 0} refused busy; limit ${st.max_sessions} sessions`],
+      ["busy", `${st.busy_refusals || 0} refused busy; limit ${st.max_sessions ?? "-"} sessions`],
       ["reach", reachText(st.reachability)],
       ["relays", relayText(st.relay)],
       ["uptime", `${Math.round(st.uptime_s || 0)} s`],
