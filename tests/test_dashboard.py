@@ -10,7 +10,7 @@ import pytest
 from meshd.api import dashboard
 from meshd.api.http import HttpApi
 from meshd.api.metrics import Metrics
-from meshd.api.recent import RecentGenerations
+from meshd.node.recent import RecentGenerations
 from meshd.testing.localmesh import Mesh, ctl
 from meshd.wire import StreamEvent
 

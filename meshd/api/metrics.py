@@ -13,7 +13,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from meshd.api.recent import RecentGenerations
+from meshd.node.recent import RecentGenerations
 from meshd.p2p.channel import TRAFFIC
 from meshd.wire import ErrorCode, StreamEvent
 

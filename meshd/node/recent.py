@@ -1,4 +1,5 @@
-"""The last generations through this daemon, as the dashboard shows them: timings and route only.
+"""The last generations through this daemon, as the dashboard shows them: timings and route only
+(filled by `meshd/api/metrics.py`, which sees every generation at every front door).
 
 Rule: a bounded ring (the oldest entry falls out) of numbers and peer ids; a prompt, an answer or
 any text of a generation never enters it, so showing it to whoever holds the API token tells them
