@@ -601,7 +601,10 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         log(f"result written to {out}")
-    write_plots(result, outs[0])
+    try:
+        write_plots(result, outs[0])
+    except Exception as e:  # noqa: BLE001 - a plot that fails costs the picture, not the verdict
+        log(f"plots failed: {type(e).__name__}: {e}")
     print(json.dumps(result))
     if mode == "smoke":
         sys.exit(2 if runner.failures else 0)

@@ -35,7 +35,7 @@ def sweeps_of(result: dict) -> dict[str, list[dict]]:
     raw = result.get("raw", result)
     out = {name: run["levels"] for name, run in raw.items()
            if isinstance(run, dict) and isinstance(run.get("levels"), list)}
-    llama = raw.get("llamacpp_batched", {}).get("levels")
+    llama = (raw.get("llamacpp_batched") or {}).get("levels")
     if isinstance(llama, dict):
         out["llama.cpp, one batch"] = sorted(llama.values(), key=lambda lv: lv["sessions"])
     return out
@@ -87,14 +87,22 @@ def gate_history(results: Path = RESULTS, png: Path | None = None) -> Path | Non
 def history(results: Path) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
     """The gate runs in `results` (smoke runs left out: they bind nothing), oldest first, and each
     speed or fit row's (run index, score)."""
-    runs = [json.loads(p.read_text()) for p in sorted(results.glob("gate-*.json"))]
-    runs = [r for r in runs if r.get("bench") == "gate" and r.get("mode") != "smoke"]
+    runs = [r for r in map(_read, sorted(results.glob("gate-*.json")))
+            if isinstance(r, dict) and r.get("bench") == "gate" and r.get("mode") != "smoke"]
     rows: dict[str, list] = {}
     for i, run in enumerate(runs):
         for m in run["measures"]:
             if m.get("kind") in ("speed", "fit") and isinstance(m.get("score"), (int, float)):
                 rows.setdefault(m["row"], []).append((i, m["score"]))
     return runs, rows
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"plots: {path} left out: {exc}", file=sys.stderr)
+        return None
 
 
 def _save(plt, fig, png: Path) -> Path:

@@ -40,6 +40,7 @@ def test_a_sessions_sweep_and_a_gate_result_become_pngs(tmp_path):
     gate = {"raw": {"one_daemon": {"levels": levels(60)},
                     "llamacpp_batched": {"levels": {str(lv["sessions"]): lv for lv in levels(70)}}}}
     assert list(plots.sweeps_of(gate)) == ["one_daemon", "llama.cpp, one batch"]
+    assert plots.sweeps_of({"raw": {"three_daemons": None, "llamacpp_batched": None}}) == {}  # runs that failed
     assert plots.plot_sessions({"nothing": 1}, tmp_path / "none.png") is None
 
 
@@ -51,6 +52,7 @@ def write_runs(folder: Path) -> None:
 
 def test_the_gate_history_is_every_run_but_smoke_runs_in_order(tmp_path):
     write_runs(tmp_path)
+    (tmp_path / "gate-2026-12-09T10-00-00.json").write_text('{"bench": "gate", "mode": "fu')  # cut short
     runs, rows = plots.history(tmp_path)
     assert [r["mode"] for r in runs] == ["full", "quick"]
     assert rows == {"decode_daemon": [(0, 0.9), (1, 1.05)], "rss_per_layer": [(0, 1.1), (1, 1.1)]}
