@@ -10,8 +10,9 @@ each daemon on its own cores; `--cpu-share` caps each daemon at a share of the b
 cpu cgroup), standing in for one small machine per daemon.
 Usage: python bench/batch_bench.py [--tokens 64] [--sessions 1,4,8,16] [--modes forward,relay]
        [--splits "0:10,10:20,20:30;0:13,13:26,26:30"] [--microbatches 1,2] [--pin "0-3;4-7;8-11"]
-       [--cpu-share 0.6]
-Prints a table, then one JSON object on the last line.
+       [--cpu-share 0.6] [--out RESULT.json]
+Prints a table, then one JSON object on the last line; with --out, also that JSON in a file and, with
+matplotlib (the bench extra), a PNG beside it: aggregate tok/s and p95 against sessions, a line a run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from meshd.cli.ctl import Connection, fetch_status, new_request_id
 from meshd.testing.localmesh import Mesh
@@ -190,6 +192,7 @@ def main() -> None:
     ap.add_argument("--microbatches", default="2", help="the entry's --microbatches; several values separated by ','"
                     " run side by side (1: every generation in one, as before they existed; 0: one per daemon on"
                     " the route)")
+    ap.add_argument("--out", help="also write the JSON result there, and its PNG plot beside it")
     args = ap.parse_args()
     cpus = [parse_cpus(c) for c in args.pin.split(";")] if args.pin else None
     levels = [int(x) for x in args.sessions.split(",")]
@@ -220,7 +223,28 @@ def main() -> None:
               f" {' + '.join(f'{c:.1f}' for c in r['hop_compute_ms'])} ms + mesh"
               f" {r['overhead_per_transfer_ms']:.2f} ms per transfer x {r['transfers_per_token']}"
               f" ({r['overhead_per_transfer_thread_ms']:.2f} ms counting the hand-offs to each compute thread)")
-    print(json.dumps({"bench": "batch", "tokens": args.tokens, "threads": args.threads, **res}))
+    result = {"bench": "batch", "tokens": args.tokens, "threads": args.threads, "cpu": kernel_isa(), **res}
+    print(json.dumps(result))
+    if args.out:
+        write_result(result, Path(args.out), f"3 daemons, {args.tokens} tokens a session")
+
+
+def kernel_isa() -> str:
+    from meshd.shard import blocks
+
+    try:
+        return blocks.isa()
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        return f"unavailable: {e}"
+
+
+def write_result(result: dict, out: Path, title: str) -> None:
+    """The JSON in `out` and, where matplotlib is installed, its plot beside it (`out` as .png)."""
+    from plots import plot_sessions  # bench/plots.py, beside this script
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot_sessions(result, out.with_suffix(".png"), title)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ run failed or a correctness measure failed). Exit code 0 promote, 1 optimise, 2 
 (4 tokens, 1 prompt, 2 sessions) checks the plumbing only: 0 unless something failed to run.
 Usage: python bench/gate.py [--quick | --smoke] [--contract bench/contract.toml] [--out PATH]
 Prints a table, then one JSON object on the last line (also written to bench/results/gate-<date>.json,
-and to --out PATH when given). Run it on an idle box: the result says when it was not (`box_busy`).
+and to --out PATH when given), and with matplotlib (the bench extra) two PNGs beside the JSON: this
+run's sessions sweeps (gate-<date>.png) and every gate run's scores so far (gate-history.png).
+Run it on an idle box: the result says when it was not (`box_busy`).
 """
 
 from __future__ import annotations
@@ -546,6 +548,15 @@ def report(result: dict) -> None:
     print(f"verdict: {v}{tail}{smoke}")
 
 
+def write_plots(result: dict, out: Path) -> None:
+    """PNGs next to the JSON (matplotlib, the bench extra; skipped with a message without it): this
+    run's sessions sweeps, and the history of every gate run in the results folder."""
+    from plots import gate_history, plot_sessions  # bench/plots.py, beside this script
+
+    plot_sessions(result, out.with_suffix(".png"), f"gate {result['mode']} run {result['started'][:16]}")
+    gate_history(out.parent)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
@@ -590,6 +601,10 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         log(f"result written to {out}")
+    try:
+        write_plots(result, outs[0])
+    except Exception as e:  # noqa: BLE001 - a plot that fails costs the picture, not the verdict
+        log(f"plots failed: {type(e).__name__}: {e}")
     print(json.dumps(result))
     if mode == "smoke":
         sys.exit(2 if runner.failures else 0)

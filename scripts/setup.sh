@@ -4,15 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-# nftables and iproute2 for the network test bed (namespaces; home routers masquerade with nft): only
-# where missing and we may install them; without them those tests are skipped and say why
+# nftables and iproute2 for the network test bed (namespaces; home routers masquerade with nft), chromium
+# and its driver for the dashboard's browser tests: only where missing and we may install them; without
+# them those tests are skipped and say why
 missing=""
 command -v nft >/dev/null 2>&1 || missing="$missing nftables"
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
 if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -q $missing >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $missing >/dev/null 2>&1; } \
-        || echo "setup: could not install$missing; the network test-bed tests will be skipped" >&2
+        || echo "setup: could not install$missing; the network test-bed or dashboard browser tests will be skipped" >&2
 fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv

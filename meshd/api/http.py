@@ -1,10 +1,10 @@
-"""The daemon's HTTP front door: an OpenAI-compatible API, health and Prometheus metrics.
+"""The daemon's HTTP front door: an OpenAI-compatible API, the dashboard, health and Prometheus metrics.
 
 Rules: served by hypercorn inside the daemon's own trio loop (no second process, no thread per
 request), as a bare ASGI app; every generation goes through the same `generate` as the control
 socket, so forwarding to a remote entry, rerouting and KV release behave alike. A client that
-disconnects cancels its generation. With a token set, every route but /healthz needs
-`Authorization: Bearer <token>`.
+disconnects cancels its generation. With a token set, every route but /healthz and the dashboard's
+files (which hold nothing of the mesh; `meshd/api/dashboard.py`) needs `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from meshd.api import openai
+from meshd.api import dashboard, openai
 from meshd.entry.errors import GenerationError, ended_normally
 from meshd.node.log import get_logger
 from meshd.wire import ErrorCode, StreamEvent
@@ -48,6 +48,9 @@ class HttpApi:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        page = dashboard.asset(path) if method == "GET" else None
+        if page is not None:
+            return await self._send(send, 200, *page, dashboard.HEADERS)
         if path != "/healthz" and self.token and not self._authorized(scope):
             return await self._json(send, 401, openai.error_body("missing or wrong bearer token",
                                                                  "authentication_error", "invalid_api_key"))
@@ -58,6 +61,8 @@ class HttpApi:
         if method == "GET" and path == "/metrics":
             body, ctype = self.metrics.exposition()
             return await self._send(send, 200, body, ctype)
+        if method == "GET" and path == "/v1/meshd/status":  # what `meshctl status --json` prints
+            return await self._json(send, 200, self.daemon.status(), [(b"cache-control", b"no-store")])
         if method == "GET" and path == "/v1/models":
             return await self._json(send, 200, self._models())
         if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from meshd.entry.errors import ended_normally
+from meshd.node.recent import RecentGenerations
 from meshd.p2p.channel import TRAFFIC
 from meshd.wire import ErrorCode, StreamEvent
 
@@ -38,6 +39,7 @@ class Metrics:
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.hop_failures = Counter("meshd_hop_failures", "Hops that failed under a generation", registry=r)
         self.reroutes = Counter("meshd_reroutes", "Generations moved to a new route", registry=r)
+        self.recent = RecentGenerations()  # timings and routes of the last generations, for the dashboard
         r.register(_Live(daemon))
 
     def observe_pass(self, seconds: float, sessions: int) -> None:
@@ -50,27 +52,31 @@ class Metrics:
     async def observe_generation(self, run, req, emit) -> dict:
         """Run `run(req, emit)` (one generation), counting it and timing its stream."""
         self.started.inc()
-        t0, last = time.perf_counter(), None
+        t0, last, first, texts = time.perf_counter(), None, None, 0
 
         async def timed(event: StreamEvent) -> None:
-            nonlocal last
+            nonlocal last, first, texts
             if event.kind == "text":
-                now = time.perf_counter()
+                now, texts = time.perf_counter(), texts + 1
                 (self.ttft if last is None else self.token_latency).observe(now - (t0 if last is None else last))
-                last = now
+                first, last = first or now - t0, now
             await emit(event)
 
         try:
             stats = await run(req, timed)
         except BaseException as exc:
-            if ended_normally(exc):  # e.g. the HTTP API cut the answer at a stop sequence
+            ended = ended_normally(exc)  # e.g. the HTTP API cut the answer at a stop sequence
+            code = getattr(exc, "code", None)
+            self.recent.record({"tokens": texts}, "ok" if ended else str(code or "cancelled"), first,
+                               time.perf_counter() - t0)
+            if ended:
                 self.finished.inc()
                 raise
-            code = getattr(exc, "code", None)
             self.failed.labels(str(code) if code else "cancelled").inc()
             if code == ErrorCode.HOP_FAILED:
                 self.hop_failures.inc()
             raise
+        self.recent.record(stats, "ok", first, time.perf_counter() - t0)
         self.finished.inc()
         self.tokens.inc(stats.get("tokens", 0))
         self.reroutes.inc(stats.get("reroutes", 0))

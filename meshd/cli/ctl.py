@@ -183,7 +183,7 @@ def render_status(st: dict) -> str:
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(reach_line(st.get("reachability")))
     lines += relay_lines(st.get("relay"))
-    lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
+    lines += [f"http      {h}  (dashboard, OpenAI API, /metrics)" for h in st.get("http") or []]
     lines.append(f"peers     {len(st['peers'])}")
     for p in st["peers"]:
         state = "serving" if p["serving"] else ("relay" if p["range"][0] == p["range"][1] else "loading")

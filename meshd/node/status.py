@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from meshd.p2p.host import dialable_addrs
-from meshd.shard.footprint import rss_bytes
+from meshd.shard.footprint import owned_artifact_bytes, rss_bytes
 
 
 def daemon_status(d) -> dict:
@@ -33,6 +33,7 @@ def daemon_status(d) -> dict:
         "throughput": round(d.throughput, 1),
         "load_s": round(slot.shard.load_seconds, 2) if slot else None,
         "weight_bytes": slot.shard.weight_bytes if slot else 0,
+        "file_bytes": owned_artifact_bytes(d.artifact, slot.shard.start, slot.shard.end) if slot else 0,
         "rss_bytes": rss_bytes(),
         "http": d.http_addrs,
         "reachability": d.reach.summary() if d.reach else None,
@@ -48,6 +49,7 @@ def daemon_status(d) -> dict:
         "max_sessions": d.settings.max_sessions,
         "microbatches": slot.entry.microbatch_use.counts() if slot and slot.entry else [],
         "compute_busy_s": round(d.compute.busy_s, 3),
+        "recent_generations": d.metrics.recent.entries(),  # timings and routes, never text
         "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
                    "relay": r.relay, "relay_addrs": list(r.relay_addrs),
                    "addrs": list(r.addrs), "throughput": round(r.throughput, 1),
