@@ -1,9 +1,10 @@
-"""GGUF blocks multiplied as they are stored: the native lane's kernels for Q4_0, Q4_1 and Q8_0,
-its RMSNorm and its attention over bfloat16 KV.
+"""GGUF blocks multiplied as they are stored: the native lane's kernels for Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K and Q6_K, its RMSNorm and its attention over bfloat16 KV.
 
 Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte) and
 multiplies them with integer dot products against float32 activations quantized to 8 bits per
-32-wide block, in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
+32-wide block (a K type's 256-wide super-block is met as eight such blocks, each with its own scale,
+Q6_K's with one per 16-wide half), in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
 one fixed order whatever the row count, batch, thread count or CPU (AVX2 or the portable C path), so
 a row's bits never depend on its neighbours or on the peer. Where the extension did not build, `KERNEL`
 is None, the lane falls back to torch's int4 layout, and its recipe layout says so.
@@ -26,7 +27,7 @@ try:
 except ImportError:  # the extension did not build here
     KERNEL = None
 
-TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0}
+TYPES = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K}
 _threads = len(os.sched_getaffinity(0))
 
 
@@ -54,7 +55,9 @@ def divide_threads(threads: int, recipe) -> None:
         torch.set_num_threads(1)
     else:
         torch.set_num_threads(threads)
-LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; rms-norm, rope, silu and attention per row in _blocks.c; v1"
+# v2: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K joined the kernel (v1 ran them in torch's int4 layout)
+LAYOUT = (f"gguf-blocks ({','.join(sorted(t.name for t in TYPES))}) x q8-g32 activations, fixed-order sums;"
+          " rms-norm, rope, silu and attention per row in _blocks.c; v2")
 
 
 def available(qtype: QT) -> bool:
