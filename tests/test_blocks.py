@@ -268,3 +268,27 @@ def test_a_whole_layer_in_one_call_gives_the_bits_of_its_steps():
     with pytest.raises(ValueError, match="do not fit"):
         blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
                      [(0, 4, 14, *caches[0])])
+
+
+def test_torch_matmuls_beside_the_pool_get_its_threads(monkeypatch):
+    """Under divide_threads a float weight's F.linear (what the kernel does not run) gets the pool's
+    threads while it runs, a small one stays on one, and torch is back on one after."""
+    from meshd.shard import linear as lin
+    from meshd.shard.recipe import EXACT, NATIVE
+
+    seen, real = [], torch.nn.functional.linear
+    monkeypatch.setattr(lin.F, "linear", lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1])
+    before = torch.get_num_threads()
+    try:
+        blocks.divide_threads(2, NATIVE)
+        big, small = torch.randn(1024, 576), torch.randn(64, 64)
+        lin.linear(torch.randn(3, 576), big)
+        lin.linear(torch.randn(1, 64), small)
+        lin.linear(torch.randn(1, 576), big.bfloat16())  # through _mm, the activations cast
+        assert seen == [2, 1, 2] and torch.get_num_threads() == 1
+        blocks.divide_threads(2, EXACT)  # torch holds the threads itself: nothing lent
+        lin.linear(torch.randn(1, 576), big)
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+    finally:
+        blocks.divide_threads(before, EXACT)
+        blocks.set_threads(2)

@@ -14,9 +14,9 @@ pass of many positions gives each the bits one-position steps give (prefill, rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,14 +47,37 @@ def divide_threads(threads: int, recipe) -> None:
     """Give tensor work `threads` threads, called on the thread that computes. Where this recipe's
     matmuls run in the block kernel, its pool takes them and torch's ops (norms, attention, small
     elementwise work) run on one: two pools spinning on the same cores slowed a SmolLM2 decode step
-    from 28 to 61-70 ms on 2 cores (measured). Otherwise torch keeps them all."""
-    import torch
-
+    from 28 to 61-70 ms on 2 cores (measured). A matmul the kernel does not run still gets them all
+    (`torch_matmul_threads`). Otherwise torch keeps them all."""
+    global _lent
     if KERNEL is not None and recipe.weight_dtype == "stored":
         set_threads(threads)
         torch.set_num_threads(1)
+        _lent = max(1, int(threads))
     else:
+        _lent = 0
         torch.set_num_threads(threads)
+
+
+_lent = 0  # the threads divide_threads gave the pool, lent back to torch for its own matmuls
+LEND_ELEMENTS = 1 << 18  # a smaller weight is not worth waking torch's pool for (576 x 576 is 331 K)
+
+
+@contextmanager
+def torch_matmul_threads(weight_elements: int):
+    """Around a torch matmul beside the kernel's pool (a float weight, torch's int4 layout): torch gets
+    the pool's threads for it, the pool being idle meanwhile, then one again. Decided by the weight's
+    size alone, so a weight always runs on the same threads whatever the rows (a batch, a row alone)."""
+    if _lent <= 1 or weight_elements < LEND_ELEMENTS or torch.get_num_threads() != 1:
+        yield
+        return
+    torch.set_num_threads(_lent)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
 # v2: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K joined the kernel (v1 ran them in torch's int4 layout)
 LAYOUT = (f"gguf-blocks ({','.join(sorted(t.name for t in TYPES))}) x q8-g32 activations, fixed-order sums;"
           " rms-norm, rope, silu and attention per row in _blocks.c; v2")
