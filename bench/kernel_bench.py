@@ -72,7 +72,8 @@ class Ggml:
     def matmul(self, qtype: QT, raw: np.ndarray, n: int, k: int, m: int, copies: int):
         """A callable that computes x @ W.T in ggml over one of `copies` weight copies in turn."""
         # weights, activations, outputs, a graph per copy and the work buffer the compute takes from ctx
-        size = copies * (raw.nbytes + m * n * 4 + (1 << 20)) + m * k * 4 + (64 << 20)
+        # (K types quantize x to Q8_K, a larger work buffer: 64 MiB of slack fell 0.4 MiB short)
+        size = copies * (raw.nbytes + m * n * 4 + (1 << 20)) + m * k * 4 + (1 << 30)
         ctx = self.base.ggml_init(self.InitParams(size, None, False))
         x = self.base.ggml_new_tensor_2d(ctx, 0, k, m)  # GGML_TYPE_F32 = 0; ne0 is the row length
         ctypes.memmove(self.base.ggml_get_data(x), np.random.default_rng(1).standard_normal((m, k)).astype(np.float32).ctypes.data, m * k * 4)
