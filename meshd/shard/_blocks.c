@@ -418,6 +418,32 @@ AVX2 static void rows_avx2_direct(int qtype, const uint8_t *w, int64_t row_bytes
     }
 }
 
+/* Every x row against one decoded strip; `six` (two scales a block) and `sgn` (no offsets) are
+ * constants where it is inlined, so the inner loop has no branch. */
+AVX2 static inline __attribute__((always_inline)) void
+strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa, const float *sh, const float *sb,
+            int rows, const XBlock *xq, int64_t m, int64_t nb, float *y, int64_t n, int accumulate) {
+    for (int64_t r = 0; r < m; r++) {
+        const XBlock *xr = xq + r * nb;
+        __m256 acc[STRIP];
+        float off[STRIP];
+        for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
+            float xd = xr[b].d, xs = xr[b].s;
+            for (int i = 0; i < rows; i++) {
+                int64_t at = b * STRIP + i;
+                __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[at], q));
+                __m256 scale = six ? _mm256_set_m128(_mm_set1_ps(sh[at] * xd), _mm_set1_ps(sa[at] * xd))
+                                   : _mm256_set1_ps(sa[at] * xd);
+                acc[i] = _mm256_fmadd_ps(scale, s, acc[i]);
+                if (!sgn) off[i] = fmaf(sb[at], xs, off[i]);
+            }
+        }
+        finish_avx2(acc, off, rows, y + r * n, accumulate);
+    }
+}
+
 /* Many x rows (prefill, batches): a strip of STRIP weight rows is decoded once (codes and scales),
  * then met by every x row. */
 AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
@@ -445,25 +471,9 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
                 scales_f16c(qtype, wr, b, &sa[at], &sh[at], &sb[at]);
             }
         }
-        for (int64_t r = 0; r < m; r++) {
-            const XBlock *xr = xq + r * nb;
-            __m256 acc[STRIP];
-            float off[STRIP];
-            for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
-            for (int64_t b = 0; b < nb; b++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
-                float xd = xr[b].d, xs = xr[b].s;
-                for (int i = 0; i < rows; i++) {
-                    int64_t at = b * STRIP + i;
-                    __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[at], q));
-                    __m256 scale = six ? _mm256_set_m128(_mm_set1_ps(sh[at] * xd), _mm_set1_ps(sa[at] * xd))
-                                       : _mm256_set1_ps(sa[at] * xd);
-                    acc[i] = _mm256_fmadd_ps(scale, s, acc[i]);
-                    if (!sgn) off[i] = fmaf(sb[at], xs, off[i]);
-                }
-            }
-            finish_avx2(acc, off, rows, y + r * n + c0, accumulate);
-        }
+        if (six) strips_meet(1, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        else if (sgn) strips_meet(0, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        else strips_meet(0, 0, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
     }
     free(codes);
     free(sa);
