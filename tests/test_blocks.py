@@ -4,18 +4,30 @@ the threads or the CPU path; checked against gguf's own dequantized blocks."""
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
 from meshd.shard import blocks
 
 pytestmark = pytest.mark.skipif(blocks.KERNEL is None, reason="the C extension did not build here")
-TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+K_HALVES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}  # where a super-block keeps its f16 scales
+
+
+def k_blocks(qt: QT, rows: int, cols: int, rng) -> np.ndarray:
+    """K-type rows (gguf cannot quantize to them): random codes, sub-block scales and mins, and
+    f16 super-block scales of a plausible size."""
+    elems, size = GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
+    for at in K_HALVES[qt]:
+        raw[:, :, at:at + 2] = (rng.uniform(0.5, 2.0, (rows, cols // elems, 1)) * 1e-2).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def weight(qt: QT, rows: int, cols: int, seed: int = 0) -> tuple[blocks.BlockWeight, np.ndarray]:
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    raw = quantize(w, qt)
+    rng = np.random.default_rng(seed)
+    raw = k_blocks(qt, rows, cols, rng) if qt in K_HALVES else quantize(
+        rng.standard_normal((rows, cols)).astype(np.float32), qt)
     return blocks.BlockWeight.from_raw(qt, raw, cols), dequantize(raw, qt).reshape(rows, cols).astype(np.float64)
 
 
@@ -29,10 +41,10 @@ def quantized_activations(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 128])
 def test_products_equal_the_dequantized_blocks_times_the_quantized_activations(qt, m):
-    w, ref = weight(qt, 70, 256)  # 70 rows: a last strip of two, and unequal thread shares
-    x = torch.randn(m, 256) * 3
+    w, ref = weight(qt, 70, 512)  # 70 rows: a last strip of two, and unequal thread shares
+    x = torch.randn(m, 512) * 3
     y = w.mm(x).double().numpy()
     expected = quantized_activations(x.numpy()) @ ref.T
     # only float32 rounding is left once the activations are quantized as the rule says
@@ -44,8 +56,9 @@ def test_products_equal_the_dequantized_blocks_times_the_quantized_activations(q
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
 def test_every_row_gets_its_bits_alone_whatever_the_batch_and_threads(qt):
-    w, _ = weight(qt, 1000, 576, seed=1)
-    x = torch.randn(37, 576)
+    cols = 768 if qt in K_HALVES else 576  # K types: three super-blocks
+    w, _ = weight(qt, 1000, cols, seed=1)
+    x = torch.randn(37, cols)
     alone = torch.cat([w.mm(x[i:i + 1]) for i in range(37)])
     for threads in (1, 2, 3, 7):
         blocks.set_threads(threads)
@@ -60,11 +73,45 @@ def test_every_row_gets_its_bits_alone_whatever_the_batch_and_threads(qt):
 def test_the_portable_path_gives_the_bits_of_the_vector_path(qt):
     if blocks.isa() == "portable":
         pytest.skip("this CPU runs the portable path only")
-    w, _ = weight(qt, 64, 512, seed=2)
+    w, _ = weight(qt, 67, 512, seed=2)  # 67: a last strip of three
     portable = blocks.BlockWeight(qt, w.data, w.out_features, w.in_features, portable=True)
-    for m in (1, 5):
+    for m in (1, 5, 128):
         x = torch.randn(m, 512)
         assert torch.equal(portable.mm(x), w.mm(x))
+    residual = torch.randn(5, 67)
+    a, b = residual.clone(), residual.clone()
+    x = torch.randn(5, 512)
+    assert torch.equal(portable.mm(x, add_to=a), w.mm(x, add_to=b))
+
+
+@pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_extreme_codes_and_scales_stay_exact(qt):
+    """All-ones and all-zeros bytes: every code at its top or bottom (Q6_K's -32 and 31, Q5's 31),
+    and activations at the quantizer's +-127, so no integer partial sum may overflow."""
+    elems, size = GGML_QUANT_SIZES[qt]
+    for fill in (0xFF, 0x00):
+        raw = np.full((6, 512 // elems * size), fill, np.uint8)
+        for at in K_HALVES.get(qt, (0,)):  # a half of 1.0 wherever a scale lives
+            raw.reshape(6, -1, size)[:, :, at:at + 2] = np.array([1.0], np.float16).view(np.uint8)
+        w = blocks.BlockWeight.from_raw(qt, raw, 512)
+        ref = dequantize(raw, qt).reshape(6, 512).astype(np.float64)
+        x = torch.where(torch.arange(512) % 3 == 0, -50.0, 50.0).repeat(3, 1)
+        expected = quantized_activations(x.numpy()) @ ref.T
+        y = w.mm(x).double().numpy()
+        assert np.abs(y - expected).max() <= 1e-5 * max(np.abs(expected).max(), 1.0)
+        assert torch.equal(blocks.BlockWeight(qt, w.data, 6, 512, portable=True).mm(x), w.mm(x))
+
+
+def test_k_types_need_whole_super_blocks():
+    with pytest.raises(ValueError, match="do not hold rows"):
+        blocks.BlockWeight.from_raw(QT.Q4_K, np.zeros((2, 144), np.uint8), 128)
+    w, _ = weight(QT.Q6_K, 4, 256)
+    with pytest.raises(ValueError, match="unsupported block type"):
+        blocks.KERNEL.matmul(int(QT.Q6_K), w.data.data_ptr(), 105, 4, 128, 0, 0, 0, 1, 0, 0)
+
+
+def test_the_layout_names_every_type_the_kernel_runs():
+    assert all(t.name in blocks.LAYOUT for t in TYPES) and set(TYPES) == blocks.TYPES
 
 
 def test_zero_rows_and_subnormal_scales_are_exact():
@@ -89,7 +136,7 @@ def test_inconsistent_sizes_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="matmul of"):
         w.mm(torch.randn(1, 32))
     with pytest.raises(ValueError, match="unsupported block type"):
-        blocks.KERNEL.matmul(12, w.data.data_ptr(), 68, 4, 64, 0, 0, 0, 1, 0, 0)
+        blocks.KERNEL.matmul(11, w.data.data_ptr(), 68, 4, 64, 0, 0, 0, 1, 0, 0)  # Q3_K: not run here
 
 
 def test_rms_norm_follows_torch_and_is_the_same_per_row_and_path():
@@ -221,3 +268,27 @@ def test_a_whole_layer_in_one_call_gives_the_bits_of_its_steps():
     with pytest.raises(ValueError, match="do not fit"):
         blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
                      [(0, 4, 14, *caches[0])])
+
+
+def test_torch_matmuls_beside_the_pool_get_its_threads(monkeypatch):
+    """Under divide_threads a float weight's F.linear (what the kernel does not run) gets the pool's
+    threads while it runs, a small one stays on one, and torch is back on one after."""
+    from meshd.shard import linear as lin
+    from meshd.shard.recipe import EXACT, NATIVE
+
+    seen, real = [], torch.nn.functional.linear
+    monkeypatch.setattr(lin.F, "linear", lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1])
+    before = torch.get_num_threads()
+    try:
+        blocks.divide_threads(2, NATIVE)
+        big, small = torch.randn(1024, 576), torch.randn(64, 64)
+        lin.linear(torch.randn(3, 576), big)
+        lin.linear(torch.randn(1, 64), small)
+        lin.linear(torch.randn(1, 576), big.bfloat16())  # through _mm, the activations cast
+        assert seen == [2, 1, 2] and torch.get_num_threads() == 1
+        blocks.divide_threads(2, EXACT)  # torch holds the threads itself: nothing lent
+        lin.linear(torch.randn(1, 576), big)
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+    finally:
+        blocks.divide_threads(before, EXACT)
+        blocks.set_threads(2)

@@ -306,7 +306,7 @@ def test_long_session_past_many_windows_with_rollback(tmp_path, recipe):
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0])
 def test_native_sessions_in_a_batch_equal_sessions_alone(tmp_path, qtype):
     """Prompts on both sides of the window, batched with one another's decode rows: bit for bit their solo runs
-    (Q4_0 in the block kernel, Q5_0 in torch's int4 layout)."""
+    (Q4_0 and Q5_0, both in the block kernel)."""
     from tests.test_batch import batched, solo
 
     model = tiny_models.tiny_gemma3(seed=47, window=8)

@@ -86,7 +86,7 @@ def test_meshd_local_exact_equals_transformers_greedy_text(gemma, tok, reference
 
 
 def test_native_split_three_ways_equals_one_process(gemma, long_ids):
-    """Bit for bit, past the window (Q5_0, Q4_K and Q6_K in torch's int4 layout, Q8_0 in the block kernel)."""
+    """Bit for bit, past the window (Q5_0, Q4_K, Q6_K and Q8_0, all in the block kernel)."""
     one_tokens, one_logits = split_run([Shard(gemma, 0, 18, NATIVE)], long_ids, 8)
     tokens, logits = split_run([Shard(gemma, a, b, NATIVE) for a, b in THIRDS], long_ids, 8)
     assert tokens == one_tokens

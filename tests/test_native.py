@@ -23,7 +23,7 @@ def shards(artifact, recipe, cuts):
     return [Shard(artifact, a, b, recipe) for a, b in zip(bounds, bounds[1:])]
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0], ids=lambda q: q.name)
 def test_tiny_quantized_gguf_native_follows_exact(tmp_path, qtype):
     """Same weights, two lanes: native (int4 kernel, bfloat16 activations) stays near exact (float32),
     which also checks that Q/K rows are un-permuted on quantized bytes as on floats."""
@@ -200,7 +200,7 @@ def test_a_gguf_without_a_tokenizer_is_refused_clearly_at_the_head(tmp_path):
         load_tokenizer(art)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0], ids=lambda q: q.name)
 def test_a_many_position_pass_equals_its_one_position_steps_bit_for_bit(tmp_path, qtype):
     """Where the block kernel runs the layers, a prefill (or a replay) of n positions in one pass gives
     the bits n decode steps give: the hidden states of every position and the logits of the last."""

@@ -1,6 +1,10 @@
 /* GGUF block matmuls for the native lane: y[M, N] = x[M, K] @ W[N, K].T, W kept as the GGUF's own
- * Q4_0, Q4_1 or Q8_0 blocks and x quantized to 8 bits per 32-wide block (the trick llama.cpp's ggml
- * uses: integer dot products of a weight block with an activation block, one float scale each).
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and x quantized to 8 bits per 32-wide block
+ * (the trick llama.cpp's ggml uses: integer dot products of a weight block with an activation block,
+ * one float scale each). Every type is met as 32-wide blocks w = a * u + c: a K type's 256-wide
+ * super-block is eight of them, each with its sub-block's scale (and min), and Q6_K's 16-wide
+ * sub-blocks give lanes 0-3 and lanes 4-7 of a block their own scale; codes are unsigned with an
+ * offset c (4- and 5-bit types) or signed without one (Q8_0, Q6_K's u - 32).
  *
  * Rules this file keeps:
  * - Every output is summed in one fixed order, whatever M, the rows' place in the batch, the number of
@@ -36,7 +40,8 @@
 #define HAVE_X86 0
 #endif
 
-enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, MAX_THREADS = 64, STRIP = 4 };
+enum { QK = 32, QKK = 256, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       MAX_THREADS = 64, STRIP = 4 };
 
 typedef struct {
     float d;     /* scale */
@@ -66,27 +71,74 @@ static float f16_to_f32(uint16_t h) {
     return f;
 }
 
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_f32(h);
+}
+
+/* A type's stored block: its bytes and how many elements it holds (32, or 256 for the K types). */
 static inline int block_bytes(int qtype) {
     switch (qtype) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
     default: return 0;
     }
 }
 
-/* A weight block's scale a and offset b (w = a * u + b for 4-bit u in 0..15; b = 0 for Q8_0). */
-static inline void block_scales(int qtype, const uint8_t *blk, float *a, float *b) {
-    uint16_t d, m;
-    memcpy(&d, blk, 2);
-    *a = f16_to_f32(d);
-    if (qtype == Q4_1) {
-        memcpy(&m, blk + 2, 2);
-        *b = f16_to_f32(m);
-    } else if (qtype == Q4_0) {
-        *b = -8.0f * *a;
+static inline int block_elems(int qtype) { return qtype >= Q4_K ? QKK : QK; }
+
+/* Bytes of a row of k elements, or 0 where the type is unknown or k does not fill whole blocks. */
+static inline int64_t row_bytes_of(int qtype, int64_t k) {
+    int bb = block_bytes(qtype), be = block_elems(qtype);
+    return bb && k > 0 && k % be == 0 ? k / be * bb : 0;
+}
+
+/* Signed codes (Q8_0, Q6_K: w = a * u, no offset) or unsigned ones (w = a * u + b). */
+static inline int signed_codes(int qtype) { return qtype == Q8_0 || qtype == Q6_K; }
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
+static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
     } else {
-        *b = 0.0f;
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* 32-wide block b of a row as w = a * u + c: lanes 0-3 (elements 0..15) scale by *lo, lanes 4-7 by
+ * *hi (equal but for Q6_K, whose 16-wide sub-blocks each have a scale). Every product here is exact
+ * in float32 (an 11-bit half times an integer of at most 8 bits), so the AVX2 path shares this. */
+static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *lo, float *hi, float *c) {
+    const uint8_t *blk;
+    int sc, mn;
+    *c = 0.0f;
+    switch (qtype) {
+    case Q4_K: case Q5_K:
+        blk = row + (b >> 3) * block_bytes(qtype);
+        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn);
+        *lo = *hi = half_at(blk) * (float)sc;
+        *c = -(half_at(blk + 2) * (float)mn);
+        return;
+    case Q6_K:
+        blk = row + (b >> 3) * 210;
+        *lo = half_at(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)];
+        *hi = half_at(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)];
+        return;
+    default:
+        blk = row + b * block_bytes(qtype);
+        *lo = *hi = half_at(blk);
+        if (qtype == Q4_1 || qtype == Q5_1) *c = half_at(blk + 2);
+        else if (qtype == Q4_0) *c = -8.0f * *lo;
+        else if (qtype == Q5_0) *c = -16.0f * *lo;
     }
 }
 
@@ -121,38 +173,73 @@ static inline float lanes_sum(const float *l) {
 
 /* ---- portable path ---- */
 
-static inline void unpack_codes(int qtype, const uint8_t *blk, int8_t *u) {
-    if (qtype == Q8_0) {
-        memcpy(u, blk + 2, QK);
+/* The 32 codes of block b of a row, in element order. */
+static inline void unpack_codes(int qtype, const uint8_t *row, int64_t b, int8_t *u) {
+    const uint8_t *blk, *qs;
+    uint32_t qh;
+    int j;
+    switch (qtype) {
+    case Q8_0:
+        memcpy(u, row + b * 34 + 2, QK);
         return;
-    }
-    const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
-    for (int i = 0; i < 16; i++) {
-        u[i] = (int8_t)(qs[i] & 0x0f);
-        u[i + 16] = (int8_t)(qs[i] >> 4);
+    case Q4_0: case Q4_1:
+        qs = row + b * block_bytes(qtype) + (qtype == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; i++) {
+            u[i] = (int8_t)(qs[i] & 0x0f);
+            u[i + 16] = (int8_t)(qs[i] >> 4);
+        }
+        return;
+    case Q5_0: case Q5_1:
+        blk = row + b * block_bytes(qtype) + (qtype == Q5_1 ? 4 : 2);
+        memcpy(&qh, blk, 4);
+        for (int i = 0; i < 16; i++) {
+            u[i] = (int8_t)((blk[4 + i] & 0x0f) | (((qh >> i) & 1) << 4));
+            u[i + 16] = (int8_t)((blk[4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+        }
+        return;
+    case Q4_K: case Q5_K:
+        /* 32-byte chunk b / 2 of the nibbles holds sub-block b in its low (b even) or high half */
+        blk = row + (b >> 3) * block_bytes(qtype);
+        j = (int)(b & 7);
+        qs = blk + (qtype == Q5_K ? 48 : 16) + 32 * (j >> 1);
+        for (int i = 0; i < QK; i++) {
+            int v = (j & 1) ? qs[i] >> 4 : qs[i] & 0x0f;
+            if (qtype == Q5_K) v |= ((blk[16 + i] >> j) & 1) << 4;
+            u[i] = (int8_t)v;
+        }
+        return;
+    default: /* Q6_K: block b = 32 t + 128 h of the super-block; codes minus 32 */
+        blk = row + (b >> 3) * 210;
+        j = (int)(b & 7);
+        qs = blk + 64 * (j >> 2) + 32 * (j & 1);
+        for (int i = 0; i < QK; i++) {
+            int lo4 = (j & 2) ? qs[i] >> 4 : qs[i] & 0x0f;
+            int hi2 = (blk[128 + 32 * (j >> 2) + i] >> (2 * (j & 3))) & 3;
+            u[i] = (int8_t)((lo4 | (hi2 << 4)) - 32);
+        }
     }
 }
 
 static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                           const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
-    int bb = block_bytes(qtype);
     int8_t u[QK];
+    int offsets = !signed_codes(qtype);
     for (int64_t col = n0; col < n1; col++) {
         const uint8_t *wr = w + col * row_bytes;
         for (int64_t r = 0; r < m; r++) {
             const XBlock *xr = xq + r * nb;
             float lane[8] = {0}, off = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                float a, c;
-                block_scales(qtype, wr + b * bb, &a, &c);
-                unpack_codes(qtype, wr + b * bb, u);
-                float scale = a * xr[b].d;
+                float lo, hi, c;
+                block_scales(qtype, wr, b, &lo, &hi, &c);
+                unpack_codes(qtype, wr, b, u);
+                float scale[2] = {lo * xr[b].d, hi * xr[b].d};
                 for (int j = 0; j < 8; j++) {
                     int32_t s = 0;
                     for (int t = 0; t < 4; t++) s += (int32_t)u[4 * j + t] * (int32_t)xr[b].q[4 * j + t];
-                    lane[j] = fmaf(scale, (float)s, lane[j]);
+                    lane[j] = fmaf(scale[j >> 2], (float)s, lane[j]);
                 }
-                off = fmaf(c, xr[b].s, off);
+                if (offsets) off = fmaf(c, xr[b].s, off);
             }
             float sum = lanes_sum(lane) + off;
             y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
@@ -163,39 +250,108 @@ static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_
 /* ---- AVX2 path: the same sums, eight lanes at a time ---- */
 
 #if HAVE_X86
-__attribute__((target("avx2,fma,f16c"))) static inline __m256i codes_avx2(int qtype, const uint8_t *blk) {
-    if (qtype == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2)));
-    __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    return _mm256_set_m128i(hi, lo);
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* Byte i of the result is 0xff where bit i of x is set. */
+AVX2 static inline __m256i bits_to_bytes(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    __m256i which = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), which), bit);
+    return _mm256_cmpeq_epi8(v, bit);
 }
 
-/* Eight int32 lanes: lane j = sum over elements 4j..4j+3 of u * q. Unsigned 4-bit codes go straight
- * into maddubs; signed 8-bit codes go as |u| with q carrying u's sign. */
-__attribute__((target("avx2,fma,f16c"))) static inline __m256i dot_avx2(int signed8, __m256i u, __m256i q) {
+AVX2 static inline __m256i nibbles16(const uint8_t *qs) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+/* 32 bytes of nibbles: the low ones (high = 0) or the high ones, as bytes 0..15. */
+AVX2 static inline __m256i nibbles32(const uint8_t *qs, int high) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+    if (high) v = _mm256_srli_epi16(v, 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+}
+
+/* Bits `shift`.. (`mask` wide) of each of 32 bytes, moved up to bit 4. */
+AVX2 static inline __m256i high_bits(const uint8_t *p, int shift, int mask) {
+    __m256i v = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p), _mm_cvtsi32_si128(shift));
+    return _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi8((char)mask)), 4);
+}
+
+/* The codes of block b of a row, as unpack_codes gives them. */
+AVX2 static inline __attribute__((always_inline)) __m256i codes_avx2(const int qtype, const uint8_t *row, int64_t b) {
+    const uint8_t *blk;
+    int j = (int)(b & 7);
+    switch (qtype) {
+    case Q8_0: return _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2));
+    case Q4_0: return nibbles16(row + b * 18 + 2);
+    case Q4_1: return nibbles16(row + b * 20 + 4);
+    case Q5_0: case Q5_1:
+        blk = row + b * block_bytes(qtype) + (qtype == Q5_1 ? 4 : 2);
+        return _mm256_or_si256(nibbles16(blk + 4), _mm256_and_si256(bits_to_bytes(blk), _mm256_set1_epi8(0x10)));
+    case Q4_K: return nibbles32(row + (b >> 3) * 144 + 16 + 32 * (j >> 1), j & 1);
+    case Q5_K:
+        blk = row + (b >> 3) * 176;
+        return _mm256_or_si256(nibbles32(blk + 48 + 32 * (j >> 1), j & 1), high_bits(blk + 16, j, 1));
+    default: /* Q6_K */
+        blk = row + (b >> 3) * 210;
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 64 * (j >> 2) + 32 * (j & 1), j & 2),
+                                               high_bits(blk + 128 + 32 * (j >> 2), 2 * (j & 3), 3)),
+                               _mm256_set1_epi8(32));
+    }
+}
+
+/* Eight int32 lanes: lane j = sum over elements 4j..4j+3 of u * q. Unsigned codes go straight
+ * into maddubs; signed codes go as |u| with q carrying u's sign. */
+AVX2 static inline __m256i dot_avx2(int signed8, __m256i u, __m256i q) {
     __m256i p;
     if (signed8) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
     else p = _mm256_maddubs_epi16(u, q);
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-/* A block's scale and offset as block_scales gives them, with the F16C conversion (exact too). */
-__attribute__((target("avx2,fma,f16c"))) static inline void scales_f16c(int qtype, const uint8_t *blk, float *a,
-                                                                          float *b) {
-    uint16_t d, m;
-    memcpy(&d, blk, 2);
-    *a = _cvtsh_ss(d);
-    if (qtype == Q4_1) {
-        memcpy(&m, blk + 2, 2);
-        *b = _cvtsh_ss(m);
-    } else {
-        *b = qtype == Q4_0 ? -8.0f * *a : 0.0f;
+AVX2 static inline float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* block_scales with the F16C conversion (exact too). */
+AVX2 static inline __attribute__((always_inline)) void scales_f16c(const int qtype, const uint8_t *row, int64_t b,
+                                                                   float *lo, float *hi, float *c) {
+    const uint8_t *blk;
+    int sc, mn;
+    *c = 0.0f;
+    switch (qtype) {
+    case Q4_K: case Q5_K:
+        blk = row + (b >> 3) * block_bytes(qtype);
+        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn);
+        *lo = *hi = half_f16c(blk) * (float)sc;
+        *c = -(half_f16c(blk + 2) * (float)mn);
+        return;
+    case Q6_K:
+        blk = row + (b >> 3) * 210;
+        *lo = half_f16c(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)];
+        *hi = half_f16c(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)];
+        return;
+    default:
+        blk = row + b * block_bytes(qtype);
+        *lo = *hi = half_f16c(blk);
+        if (qtype == Q4_1 || qtype == Q5_1) *c = half_f16c(blk + 2);
+        else if (qtype == Q4_0) *c = -8.0f * *lo;
+        else if (qtype == Q5_0) *c = -16.0f * *lo;
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static inline void finish_avx2(const __m256 *acc, const float *off,
-                                                                          int rows, float *out, int accumulate) {
+/* The lanes' scales times the activation block's: one for all eight, or Q6_K's two halves. */
+AVX2 static inline __m256 lane_scales(const int qtype, float lo, float hi, float xd) {
+    if (qtype == Q6_K) return _mm256_set_m128(_mm_set1_ps(hi * xd), _mm_set1_ps(lo * xd));
+    return _mm256_set1_ps(lo * xd);
+}
+
+AVX2 static inline void finish_avx2(const __m256 *acc, const float *off, int rows, float *out, int accumulate) {
     for (int i = 0; i < rows; i++) {
         float lane[8];
         _mm256_storeu_ps(lane, acc[i]);
@@ -207,29 +363,28 @@ __attribute__((target("avx2,fma,f16c"))) static inline void finish_avx2(const __
 /* One x row against one strip of `rows` weight rows, each block decoded where it is met. Inlined
  * with constant qtype and rows, so the accumulators stay in registers and the type's branches fold
  * away (a variable bound kept them on the stack: 0.103 -> see kernel_bench). */
-__attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline)) void
+AVX2 static inline __attribute__((always_inline)) void
 strip_direct(const int qtype, const int rows, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1,
              const XBlock *xr, int64_t nb, float *out, int accumulate) {
-    const int bb = block_bytes(qtype), signed8 = qtype == Q8_0;
+    const int sgn = signed_codes(qtype);
     __m256 acc[STRIP];
     float off[STRIP];
     for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
     /* the next strips stream in while this one is summed (its rows are read side by side, too
      * short for the hardware prefetcher: 2.3x the bandwidth out of cache, measured) */
     const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
-    int64_t ahead = c0 + 8 * STRIP < n1 ? STRIP * row_bytes : 0;
+    int64_t ahead = c0 + 8 * STRIP < n1 ? STRIP * row_bytes : 0, per = (STRIP * row_bytes + nb - 1) / nb;
     for (int64_t b = 0; b < nb; b++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
         float xd = xr[b].d, xs = xr[b].s;
-        for (int64_t p = b * STRIP * bb; p < (b + 1) * STRIP * bb && p < ahead; p += 64)
-            _mm_prefetch(next + p, _MM_HINT_T0);
+        for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
         for (int i = 0; i < rows; i++) {
-            const uint8_t *blk = w + (c0 + i) * row_bytes + b * bb;
-            float a, c;
-            scales_f16c(qtype, blk, &a, &c);
-            __m256 s = _mm256_cvtepi32_ps(dot_avx2(signed8, codes_avx2(qtype, blk), q));
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a * xd), s, acc[i]);
-            if (qtype != Q8_0) off[i] = fmaf(c, xs, off[i]);
+            const uint8_t *row = w + (c0 + i) * row_bytes;
+            float lo, hi, c;
+            scales_f16c(qtype, row, b, &lo, &hi, &c);
+            __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes_avx2(qtype, row, b), q));
+            acc[i] = _mm256_fmadd_ps(lane_scales(qtype, lo, hi, xd), s, acc[i]);
+            if (!sgn) off[i] = fmaf(c, xs, off[i]);
         }
     }
     finish_avx2(acc, off, rows, out, accumulate);
@@ -242,10 +397,8 @@ strip_direct(const int qtype, const int rows, const uint8_t *w, int64_t row_byte
     } while (0)
 
 /* Few x rows (decode): STRIP weight rows side by side, each x row in turn. */
-__attribute__((target("avx2,fma,f16c"))) static void rows_avx2_direct(int qtype, const uint8_t *w,
-                                                                        int64_t row_bytes, int64_t n0, int64_t n1,
-                                                                        int64_t n, const XBlock *xq, int64_t m,
-                                                                        int64_t nb, float *y, int accumulate) {
+AVX2 static void rows_avx2_direct(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                  const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
         for (int64_t r = 0; r < m; r++) {
@@ -254,49 +407,77 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_direct(int qtype,
             switch (qtype) {
             case Q4_0: STRIP_DIRECT(Q4_0); break;
             case Q4_1: STRIP_DIRECT(Q4_1); break;
+            case Q5_0: STRIP_DIRECT(Q5_0); break;
+            case Q5_1: STRIP_DIRECT(Q5_1); break;
+            case Q4_K: STRIP_DIRECT(Q4_K); break;
+            case Q5_K: STRIP_DIRECT(Q5_K); break;
+            case Q6_K: STRIP_DIRECT(Q6_K); break;
             default: STRIP_DIRECT(Q8_0); break;
             }
         }
     }
 }
 
+/* Every x row against one decoded strip; `six` (two scales a block) and `sgn` (no offsets) are
+ * constants where it is inlined, so the inner loop has no branch. */
+AVX2 static inline __attribute__((always_inline)) void
+strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa, const float *sh, const float *sb,
+            int rows, const XBlock *xq, int64_t m, int64_t nb, float *y, int64_t n, int accumulate) {
+    for (int64_t r = 0; r < m; r++) {
+        const XBlock *xr = xq + r * nb;
+        __m256 acc[STRIP];
+        float off[STRIP];
+        for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
+            float xd = xr[b].d, xs = xr[b].s;
+            for (int i = 0; i < rows; i++) {
+                int64_t at = b * STRIP + i;
+                __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[at], q));
+                __m256 scale = six ? _mm256_set_m128(_mm_set1_ps(sh[at] * xd), _mm_set1_ps(sa[at] * xd))
+                                   : _mm256_set1_ps(sa[at] * xd);
+                acc[i] = _mm256_fmadd_ps(scale, s, acc[i]);
+                if (!sgn) off[i] = fmaf(sb[at], xs, off[i]);
+            }
+        }
+        finish_avx2(acc, off, rows, y + r * n, accumulate);
+    }
+}
+
 /* Many x rows (prefill, batches): a strip of STRIP weight rows is decoded once (codes and scales),
  * then met by every x row. */
-__attribute__((target("avx2,fma,f16c"))) static void rows_avx2_strips(int qtype, const uint8_t *w,
-                                                                        int64_t row_bytes, int64_t n0, int64_t n1,
-                                                                        int64_t n, const XBlock *xq, int64_t m,
-                                                                        int64_t nb, float *y, int accumulate) {
-    int bb = block_bytes(qtype), signed8 = qtype == Q8_0;
+AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                  const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    int sgn = signed_codes(qtype), six = qtype == Q6_K;
     __m256i *codes = aligned_alloc(32, (size_t)STRIP * nb * sizeof(__m256i));
-    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sh = malloc((size_t)STRIP * nb * sizeof(float));
+    float *sb = malloc((size_t)STRIP * nb * sizeof(float));
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
         for (int i = 0; i < rows; i++) {
             const uint8_t *wr = w + (c0 + i) * row_bytes;
             for (int64_t b = 0; b < nb; b++) {
-                codes[b * STRIP + i] = codes_avx2(qtype, wr + b * bb);
-                scales_f16c(qtype, wr + b * bb, &sa[b * STRIP + i], &sb[b * STRIP + i]);
-            }
-        }
-        for (int64_t r = 0; r < m; r++) {
-            const XBlock *xr = xq + r * nb;
-            __m256 acc[STRIP];
-            float off[STRIP];
-            for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
-            for (int64_t b = 0; b < nb; b++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
-                float xd = xr[b].d, xs = xr[b].s;
-                for (int i = 0; i < rows; i++) {
-                    __m256 s = _mm256_cvtepi32_ps(dot_avx2(signed8, codes[b * STRIP + i], q));
-                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sa[b * STRIP + i] * xd), s, acc[i]);
-                    off[i] = fmaf(sb[b * STRIP + i], xs, off[i]);
+                int64_t at = b * STRIP + i;
+                switch (qtype) { /* constant types, so each decoder's branches fold away */
+                case Q4_0: codes[at] = codes_avx2(Q4_0, wr, b); break;
+                case Q4_1: codes[at] = codes_avx2(Q4_1, wr, b); break;
+                case Q5_0: codes[at] = codes_avx2(Q5_0, wr, b); break;
+                case Q5_1: codes[at] = codes_avx2(Q5_1, wr, b); break;
+                case Q4_K: codes[at] = codes_avx2(Q4_K, wr, b); break;
+                case Q5_K: codes[at] = codes_avx2(Q5_K, wr, b); break;
+                case Q6_K: codes[at] = codes_avx2(Q6_K, wr, b); break;
+                default: codes[at] = codes_avx2(Q8_0, wr, b); break;
                 }
+                scales_f16c(qtype, wr, b, &sa[at], &sh[at], &sb[at]);
             }
-            finish_avx2(acc, off, rows, y + r * n + c0, accumulate);
         }
+        if (six) strips_meet(1, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        else if (sgn) strips_meet(0, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        else strips_meet(0, 0, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
     }
     free(codes);
     free(sa);
+    free(sh);
     free(sb);
 }
 
@@ -881,7 +1062,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     int qtype = (int)v[0], threads = (int)v[8], portable = (int)v[9];
     int64_t row_bytes = v[2], n = v[3], k = v[4], m = v[6];
-    if (block_bytes(qtype) == 0 || k % QK || row_bytes != k / QK * block_bytes(qtype) || n < 0 || m < 0) {
+    if (row_bytes_of(qtype, k) == 0 || row_bytes != row_bytes_of(qtype, k) || n < 0 || m < 0) {
         PyErr_SetString(PyExc_ValueError, "matmul: unsupported block type or inconsistent sizes");
         return NULL;
     }
@@ -944,7 +1125,7 @@ static int read_wref(PyObject *const *args, WRef *w, int64_t k) {
     long long v[4];
     if (read_longs(args, 4, 4, v, "layer") < 0) return -1;
     *w = (WRef){(int)v[0], (const uint8_t *)(intptr_t)v[1], v[2], v[3], k};
-    if (block_bytes(w->qtype) == 0 || k % QK || w->row_bytes != k / QK * block_bytes(w->qtype)) {
+    if (row_bytes_of(w->qtype, k) == 0 || w->row_bytes != row_bytes_of(w->qtype, k)) {
         PyErr_SetString(PyExc_ValueError, "layer: a weight's block type or sizes do not fit");
         return -1;
     }

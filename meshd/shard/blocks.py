@@ -1,9 +1,10 @@
-"""GGUF blocks multiplied as they are stored: the native lane's kernels for Q4_0, Q4_1 and Q8_0,
-its RMSNorm and its attention over bfloat16 KV.
+"""GGUF blocks multiplied as they are stored: the native lane's kernels for Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K and Q6_K, its RMSNorm and its attention over bfloat16 KV.
 
 Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte) and
 multiplies them with integer dot products against float32 activations quantized to 8 bits per
-32-wide block, in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
+32-wide block (a K type's 256-wide super-block is met as eight such blocks, each with its own scale,
+Q6_K's with one per 16-wide half), in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
 one fixed order whatever the row count, batch, thread count or CPU (AVX2 or the portable C path), so
 a row's bits never depend on its neighbours or on the peer. Where the extension did not build, `KERNEL`
 is None, the lane falls back to torch's int4 layout, and its recipe layout says so.
@@ -13,9 +14,9 @@ pass of many positions gives each the bits one-position steps give (prefill, rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ try:
 except ImportError:  # the extension did not build here
     KERNEL = None
 
-TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0}
+TYPES = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K}
 _threads = len(os.sched_getaffinity(0))
 
 
@@ -46,15 +47,40 @@ def divide_threads(threads: int, recipe) -> None:
     """Give tensor work `threads` threads, called on the thread that computes. Where this recipe's
     matmuls run in the block kernel, its pool takes them and torch's ops (norms, attention, small
     elementwise work) run on one: two pools spinning on the same cores slowed a SmolLM2 decode step
-    from 28 to 61-70 ms on 2 cores (measured). Otherwise torch keeps them all."""
-    import torch
-
+    from 28 to 61-70 ms on 2 cores (measured). A matmul the kernel does not run still gets them all
+    (`torch_matmul_threads`). Otherwise torch keeps them all."""
+    global _lent
     if KERNEL is not None and recipe.weight_dtype == "stored":
         set_threads(threads)
         torch.set_num_threads(1)
+        _lent = max(1, int(threads))
     else:
+        _lent = 0
         torch.set_num_threads(threads)
-LAYOUT = "gguf-blocks x q8-g32 activations, fixed-order sums; rms-norm, rope, silu and attention per row in _blocks.c; v1"
+
+
+_lent = 0  # the threads divide_threads gave the pool, lent back to torch for its own matmuls
+LEND_ELEMENTS = 1 << 18  # a smaller weight is not worth waking torch's pool for (576 x 576 is 331 K)
+
+
+@contextmanager
+def torch_matmul_threads(weight_elements: int):
+    """Around a torch matmul beside the kernel's pool (a float weight, torch's int4 layout): torch gets
+    the pool's threads for it, the pool being idle meanwhile, then one again. Decided by the weight's
+    size alone, so a weight always runs on the same threads whatever the rows (a batch, a row alone)."""
+    if _lent <= 1 or weight_elements < LEND_ELEMENTS or torch.get_num_threads() != 1:
+        yield
+        return
+    torch.set_num_threads(_lent)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
+# v2: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K joined the kernel (v1 ran them in torch's int4 layout)
+LAYOUT = (f"gguf-blocks ({','.join(sorted(t.name for t in TYPES))}) x q8-g32 activations, fixed-order sums;"
+          " rms-norm, rope, silu and attention per row in _blocks.c; v2")
 
 
 def available(qtype: QT) -> bool:

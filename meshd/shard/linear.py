@@ -102,14 +102,18 @@ def _native_one(group: list, act_dtype: torch.dtype) -> Weight:
 
 
 def _mm(x2: torch.Tensor, w: Weight) -> torch.Tensor:
-    if isinstance(w, torch.Tensor):
-        return F.linear(x2 if x2.dtype == w.dtype else x2.to(w.dtype), w)
-    return w.mm(x2)
+    if isinstance(w, (blocks.BlockWeight, ConcatWeight)):
+        return w.mm(x2)
+    with blocks.torch_matmul_threads(w.shape[0] * w.shape[1]):  # torch's own kernels
+        if isinstance(w, torch.Tensor):
+            return F.linear(x2 if x2.dtype == w.dtype else x2.to(w.dtype), w)
+        return w.mm(x2)
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, torch.Tensor) and x.dtype == w.dtype:
-        return F.linear(x, w, b)
+        with blocks.torch_matmul_threads(w.numel()):
+            return F.linear(x, w, b)
     y = _mm(x.reshape(-1, x.shape[-1]), w)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if b is None else y + b

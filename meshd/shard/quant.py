@@ -1,4 +1,5 @@
-"""GGUF quantized blocks turned, without loss, into the layout torch's int4 CPU kernel multiplies.
+"""GGUF quantized blocks turned, without loss, into the layout torch's int4 CPU kernel multiplies: the
+native lane's layout where meshd's C kernel (`blocks.py`) did not build.
 
 Rule: a block type is first decoded into affine codes, `w = a * u + b` per group of 32 along a row
 (u unsigned, 4 or 8 bits), which is what every supported GGUF type is. 4-bit codes become one int4

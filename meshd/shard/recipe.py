@@ -1,9 +1,9 @@
 """Runtime recipes: how weights, compute, KV and activations on the wire are typed.
 
 Rule: lanes kept apart. `exact` (float32 everywhere) makes a split run equal transformers' whole model.
-`native` keeps every GGUF tensor at its stored bit width (Q4_0/Q4_1/Q8_0 as the file's blocks,
-multiplied by meshd's C kernel against activations quantized to 8 bits per block; other block types in
-torch's int4 layout, fed bfloat16 activations), while the residual stream, norms and the wire stay float32,
+`native` keeps every GGUF tensor at its stored bit width (as the file's blocks, multiplied by meshd's
+C kernel against activations quantized to 8 bits per block; where the kernel did not build, in torch's
+int4 layout, fed bfloat16 activations), while the residual stream, norms and the wire stay float32,
 so a route's output does not depend on where the model is split. `compact` (int8 weights with a
 scale per row, bfloat16 everywhere) is for models stored in float, where `native` keeps the floats.
 Everything that changes the numbers goes into the recipe fingerprint, so peers with different
