@@ -122,9 +122,10 @@ class ShardEndpoint:
             except (CacheMiss, ValueError, TypeError) as exc:
                 replies[i] = self._failed(msg, exc)
         for i, (_, x, position), out in zip(where, jobs, self.shard.forward_batch(jobs) if jobs else []):
+            if isinstance(out, Exception):  # answered without raising it: a raised one would hold this frame
+                replies[i] = self._failed(msgs[i], out)
+                continue
             try:
-                if isinstance(out, Exception):
-                    raise out
                 replies[i] = self._reply(msgs[i], out, position + x.shape[1])
             except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
                 replies[i] = self._failed(msgs[i], exc)

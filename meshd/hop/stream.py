@@ -11,88 +11,166 @@ vanished entry never leaves KV behind.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 import structlog
 import trio
 
 from meshd.hop.scheduler import Work
 from meshd.node.log import get_logger
-from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.wire import (Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message, OpenSession,
+from meshd.p2p.budget import ByteBudget, Held
+from meshd.p2p.channel import FRAME_TIMEOUT, Channel, ChannelClosed, FrameStalled
+from meshd.shard.footprint import trim_heap
+from meshd.wire import (Error, ErrorCode, ForwardBatch, Heartbeat, Hello, Message, OpenSession,
                         UnsupportedVersion, WireError)
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 IDLE_TIMEOUT = 300.0
-WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream
+WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream (their bytes are bounded by the budget)
+FRAME_BUDGET = 512 << 20  # bytes all peers' frames may occupy at once (queued, half-received, being decoded)
+PEER_FRAME_SHARE = 192 << 20  # ... one peer's frames (three of the largest frames a decoder takes)
+STREAMS_PER_PEER = 128  # shard streams one peer may hold open here (an entry opens one per session)
+TRIM_AFTER = 16 << 20  # once the frames of a burst this big are done, freed heap goes back to the system
 log = get_logger(__name__)
 
 
-async def serve_shard_stream(service, stream) -> None:
+@dataclass
+class Intake:
+    """What a daemon takes in from other daemons' shard streams, one for all its streams: frame
+    bytes against a per-peer share and a total (`meshd/p2p/budget.py`), streams per peer, and how
+    long a stream may sit on a half-sent frame or say nothing at all."""
+
+    budget: ByteBudget = field(default_factory=lambda: ByteBudget(FRAME_BUDGET, PEER_FRAME_SHARE))
+    streams_per_peer: int = STREAMS_PER_PEER
+    frame_timeout: float = FRAME_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
+    streams: Counter = field(default_factory=Counter)  # peer -> shard streams open now
+
+    def channel(self, stream) -> Channel:
+        channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+        channel.peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", ""))
+        channel.budget, channel.frame_timeout = self.budget, self.frame_timeout
+        return channel
+
+    async def release(self, held: Held | None) -> None:
+        """Give a frame's bytes back; after a burst, hand the freed heap back too (as loading does)."""
+        if held is None:
+            return
+        held.release()
+        if self.budget.trimmed(TRIM_AFTER):
+            await trio.to_thread.run_sync(trim_heap)
+
+
+DEFAULT_INTAKE = Intake()
+
+
+async def serve_shard_stream(service, stream, intake: Intake | None = None) -> None:
     """The /meshd/shard/1.0.0 handler: serve frames until the stream ends.
 
     Heartbeats are answered by the reader at once, while a worker runs the stream's frames in
     order on the compute thread: a hop busy computing still shows it is alive, so the entry
-    can tell it from a frozen one."""
-    channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-    channel.peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", ""))
+    can tell it from a frozen one. A peer past its streams is told so and closed."""
+    intake = intake or DEFAULT_INTAKE
+    channel = intake.channel(stream)
+    if intake.streams[channel.peer] >= intake.streams_per_peer:
+        await _refuse(channel, Error(code=ErrorCode.BUSY, retriable=True, retry_after_s=1.0,
+                                     message=f"busy: this peer holds {intake.streams_per_peer} shard streams here,"
+                                             " the limit"))
+        return
+    intake.streams[channel.peer] += 1
     opened: set[tuple[bytes, int]] = set()
-    work_send, work_recv = trio.open_memory_channel[Message | tuple[Forward, Work | Error]](WORK_QUEUE)
+    work_send, work_recv = trio.open_memory_channel[tuple](WORK_QUEUE)
     try:
         async with trio.open_nursery() as nursery:
             replies_send, replies_recv = trio.open_memory_channel[tuple[Message, list[Message]]](WORK_QUEUE)
-            nursery.start_soon(_work, service, channel, work_recv, replies_send)
+            nursery.start_soon(_work, service, intake, channel, work_recv, replies_send)
             nursery.start_soon(_send_replies, service, channel, replies_recv)
-            while True:
-                try:
-                    msg = await channel.receive(IDLE_TIMEOUT)
-                except (ChannelClosed, trio.TooSlowError):
-                    break
-                except WireError as exc:  # the stream can no longer be trusted: say why, then close
-                    code = ErrorCode.VERSION if isinstance(exc, UnsupportedVersion) else ErrorCode.BAD_FRAME
-                    await channel.send(Error(code=code, message=str(exc)))
-                    break
-                if isinstance(msg, Hello):
-                    await channel.send(Hello(agent="meshd", model_fingerprint=service.endpoint.model_fp,
-                                             recipe_fingerprint=service.endpoint.recipe_fp))
-                elif isinstance(msg, Heartbeat):
-                    await channel.send(msg)
-                elif isinstance(msg, ForwardBatch):
-                    # one upstream pass's outputs: all of them join the scheduler now, so they
-                    # can share a pass here too; the worker answers them in order
-                    submitted = [(frame, service.submit(frame)) for frame in msg.frames()]
-                    try:
-                        for i, item in enumerate(submitted):
-                            await work_send.send(item)
-                    except BaseException:  # cancelled: what the worker never gets is taken back
-                        for _, work in submitted[i:]:
-                            if isinstance(work, Work):
-                                service.scheduler.withdraw(work)
-                        raise
-                else:
-                    if isinstance(msg, OpenSession):
-                        opened.add((msg.session_id, msg.epoch))
-                        # this stream's log lines carry the request they serve, as on the entry
-                        structlog.contextvars.bind_contextvars(request_id=msg.request_id,
-                                                               session=msg.session_id.hex()[:8])
-                    await work_send.send(msg)
+            await _read(service, intake, channel, work_send, opened)
             nursery.cancel_scope.cancel()
     except ChannelClosed:
         pass
     finally:
         with trio.CancelScope(shield=True):
-            _withdraw_unread(service, work_recv)
+            intake.streams[channel.peer] -= 1
+            if intake.streams[channel.peer] <= 0:
+                del intake.streams[channel.peer]
+            await _withdraw_unread(service, intake, work_recv)
             for key in opened:
                 await service.release(key)
             await channel.aclose()
         if opened:
             log.info("session stream closed", sessions=len(opened))
 
-def _withdraw_unread(service, work: trio.MemoryReceiveChannel) -> None:
+
+async def _refuse(channel: Channel, error: Error) -> None:
+    try:
+        await channel.send(error)
+    except ChannelClosed:
+        pass
+    await channel.aclose()
+
+
+async def _read(service, intake: Intake, channel: Channel, work_send: trio.MemorySendChannel,
+                opened: set) -> None:
+    """Read a stream's frames until it ends, answering hellos and heartbeats at once and queueing
+    the rest for the worker (each with the budget bytes it holds)."""
+    while True:
+        try:
+            msg, held = await channel.receive_held(intake.idle_timeout)
+        except FrameStalled as exc:  # a half-sent or trickled frame: its bytes are not kept
+            await channel.send(Error(code=ErrorCode.TIMEOUT, message=str(exc)))
+            return
+        except (ChannelClosed, trio.TooSlowError):
+            return
+        except WireError as exc:  # the stream can no longer be trusted: say why, then close
+            code = ErrorCode.VERSION if isinstance(exc, UnsupportedVersion) else ErrorCode.BAD_FRAME
+            await channel.send(Error(code=code, message=str(exc)))
+            return
+        if isinstance(msg, (Hello, Heartbeat)):
+            held.release()
+            if isinstance(msg, Hello):
+                msg = Hello(agent="meshd", model_fingerprint=service.endpoint.model_fp,
+                            recipe_fingerprint=service.endpoint.recipe_fp)
+            await channel.send(msg)
+        elif isinstance(msg, ForwardBatch):
+            await _submit_batch(service, msg, held, work_send)
+        else:
+            if isinstance(msg, OpenSession):
+                opened.add((msg.session_id, msg.epoch))
+                # this stream's log lines carry the request they serve, as on the entry
+                structlog.contextvars.bind_contextvars(request_id=msg.request_id,
+                                                       session=msg.session_id.hex()[:8])
+            try:
+                await work_send.send((msg, held))
+            except BaseException:
+                held.release()
+                raise
+
+
+async def _submit_batch(service, msg: ForwardBatch, held: Held, work_send: trio.MemorySendChannel) -> None:
+    """One upstream pass's outputs: all of them join the scheduler now, so they can share a pass
+    here too; the worker answers them in order (and gives the batch's bytes back after the last)."""
+    submitted = [(frame, service.submit(frame)) for frame in msg.frames()]
+    i = 0
+    try:
+        for i, item in enumerate(submitted):
+            await work_send.send((item, held if i == len(submitted) - 1 else None))
+    except BaseException:  # cancelled: what the worker never gets is taken back
+        held.release()
+        for _, work in submitted[i:]:
+            if isinstance(work, Work):
+                service.scheduler.withdraw(work)
+        raise
+
+async def _withdraw_unread(service, intake: Intake, work: trio.MemoryReceiveChannel) -> None:
     """Take back the submitted frames of a stream that ended before its worker reached them."""
     while True:
         try:
-            item = work.receive_nowait()
+            item, held = work.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             return
+        await intake.release(held)
         if isinstance(item, tuple) and isinstance(item[1], Work):
             service.scheduler.withdraw(item[1])
 
@@ -107,29 +185,40 @@ async def _send_replies(service, channel: Channel, replies: trio.MemoryReceiveCh
             except ChannelClosed:
                 return
 
-async def _work(service, channel: Channel, work: trio.MemoryReceiveChannel,
+async def _work(service, intake: Intake, channel: Channel, work: trio.MemoryReceiveChannel,
                 replies: trio.MemorySendChannel) -> None:
-    """Run a stream's frames in arrival order and send their replies."""
-    async for msg in work:
-        if isinstance(msg, tuple):  # a frame of a ForwardBatch, already submitted
-            msg, submitted = msg
-            out = [submitted] if isinstance(submitted, Error) else await service.finish(submitted)
-            if out:
-                try:
-                    await replies.send((msg, out))
-                except trio.BrokenResourceError:  # the stream broke: nobody to answer
-                    return
-            continue
-        if isinstance(msg, OpenSession):
-            structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
+    """Run a stream's frames in arrival order and send their replies; each frame's bytes go back
+    to the budget once its work is done."""
+    async for msg, held in work:
         try:
-            answers = await (service.open_linked(msg, channel) if isinstance(msg, OpenSession) else service.handle(msg))
-        except Exception as exc:  # a bug in one session must not take the daemon down
-            log.exception("shard request failed")
-            answers = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
-                             session_id=getattr(msg, "session_id", b""))]
-        try:
-            for reply in answers:
-                await service.deliver(msg, reply, channel)
-        except ChannelClosed:
-            return
+            if isinstance(msg, tuple):  # a frame of a ForwardBatch, already submitted
+                msg, submitted = msg
+                out = [submitted] if isinstance(submitted, Error) else await service.finish(submitted)
+                if out:
+                    try:
+                        await replies.send((msg, out))
+                    except trio.BrokenResourceError:  # the stream broke: nobody to answer
+                        return
+                continue
+            if not await _answer(service, channel, msg):
+                return
+        finally:
+            await intake.release(held)
+
+
+async def _answer(service, channel: Channel, msg: Message) -> bool:
+    """Run one frame that is not part of a batch and deliver its replies; False once the stream broke."""
+    if isinstance(msg, OpenSession):
+        structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
+    try:
+        answers = await (service.open_linked(msg, channel) if isinstance(msg, OpenSession) else service.handle(msg))
+    except Exception as exc:  # a bug in one session must not take the daemon down
+        log.exception("shard request failed")
+        answers = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
+                         session_id=getattr(msg, "session_id", b""))]
+    try:
+        for reply in answers:
+            await service.deliver(msg, reply, channel)
+    except ChannelClosed:
+        return False
+    return True

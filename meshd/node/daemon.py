@@ -31,6 +31,7 @@ from meshd.dht.record import CoverageRecord, first_seq
 from meshd.dht.view import MeshView
 from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
+from meshd.hop.stream import serve_shard_stream
 from meshd.node.compute import ComputeExecutor
 from meshd.node.lifecycle import Lifecycle, State
 from meshd.node.log import get_logger
@@ -73,6 +74,7 @@ class Daemon:
         self.dialer: Dialer | None = None  # every connection and stream to another peer
         self._drain_scope = trio.CancelScope()
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
+        self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
 
     @property
     def entry(self) -> Entry | None:
@@ -264,7 +266,7 @@ class Daemon:
             self.dialer.protect(stream.muxed_conn.peer_id)  # the peer sends sessions our way: keep its connection
         except AttributeError:
             pass
-        await self.slot.service.serve_stream(stream)
+        await serve_shard_stream(self.slot.service, stream, self.intake)
 
     def choose_entry(self, tried=()) -> CoverageRecord | None:
         """The entry a request this daemon cannot run is handed to (see `meshd/entry/policy.py`)."""

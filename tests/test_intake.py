@@ -1,0 +1,176 @@
+"""What other daemons' frames may take: the byte budget, the decoder's steps, a channel's flow
+control and frame timeout, refused work that holds no memory, wrong dtypes (pure or in-memory)."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from meshd import wire as w
+from meshd.p2p.budget import ByteBudget, Held, OverBudget
+from meshd.p2p.channel import Channel, FrameStalled
+from meshd.testing.hostile import half_frame, zeros_frame
+
+SID = b"s" * 16
+
+
+def test_a_peer_past_its_share_waits_while_others_keep_their_floor():
+    b = ByteBudget(total=100, per_peer=60)
+    assert b.take_nowait("a", 50) and not b.take_nowait("a", 20)  # a's share is 60
+    assert b.take_nowait("b", 50) and not b.take_nowait("c", 1)  # the total is 100
+    assert b.refusal("a", 61) is not None and b.refusal("a", 60) is None
+    b.give("a", 50)
+    assert b.take_nowait("c", 10) and b.used == {"b": 50, "c": 10} and b.in_use == 60
+    with pytest.raises(ValueError):
+        ByteBudget(total=10, per_peer=20)
+
+
+def test_the_budget_says_once_when_a_burst_is_over():
+    b = ByteBudget(total=100, per_peer=100)
+    b.take_nowait("a", 80)
+    assert not b.trimmed(50)  # still held
+    b.give("a", 80)
+    assert b.trimmed(50) and not b.trimmed(50)
+    b.take_nowait("a", 10)
+    b.give("a", 10)
+    assert not b.trimmed(50)  # a small burst is not worth a trim
+
+
+async def test_take_waits_for_room_and_refuses_what_never_fits():
+    b = ByteBudget(total=100, per_peer=60)
+    held = Held(b, "a")
+    await held.grow(50)
+    with pytest.raises(OverBudget, match="exceeds a peer's frame budget"):
+        await Held(b, "a").grow(61)
+    got = []
+
+    async def second():
+        await Held(b, "a").grow(30)
+        got.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.sleep(1)
+        assert got == []  # a's share is taken: it waits
+        held.release()
+    assert got and b.used["a"] == 30
+
+
+def test_the_decoder_knows_a_frame_s_cost_from_its_header_before_its_body():
+    frame = zeros_frame(SID, 1 << 20, 576)  # 1 MiB of zeros in a few hundred bytes
+    assert len(frame) < 4096
+    d = w.Decoder()
+    d.push(frame[:8])
+    assert d.head() is None  # not even the preamble yet
+    d.push(frame[8:12])
+    head = d.head()
+    assert head.body_len == len(frame) - 12 and head.raw_len is None
+    d.push(frame[12:40])  # the header is in: its tensors' raw size is known, nothing inflated yet
+    assert d.head().raw_len in (None, (1 << 20) // (576 * 4) * 576 * 4)
+    d.push(frame[40:])
+    assert d.head().raw_len == (1 << 20) // (576 * 4) * 576 * 4
+    raw = d.take()
+    assert raw is not None and d.take() is None and d.buffered == 0
+    msg = d.decode(raw)
+    assert msg.tensors[0].nbytes == raw.head.raw_len
+
+
+def test_stepwise_decoding_byte_by_byte_gives_the_frames_feed_gives():
+    msgs = [w.Heartbeat(seq=1), w.Forward(session_id=SID, epoch=0, step=1, phase=w.Phase.DECODE, position=3,
+                                          tensors=(w.Tensor("hidden", (1, 1, 4), "float32", bytes(16)),))]
+    data = b"".join(w.encode(m, "zstd") for m in msgs)
+    d, out = w.Decoder(), []
+    for i in range(len(data)):
+        d.push(data[i:i + 1])
+        d.head()
+        while (raw := d.take()) is not None:
+            out.append(d.decode(raw))
+    assert out == msgs == w.Decoder().feed(data)
+
+
+def _pair(budget=None, frame_timeout=30.0):
+    a, b = trio.testing.memory_stream_pair()
+    sender = Channel.over_trio(a)
+    receiver = Channel.over_trio(b)
+    receiver.peer, receiver.budget, receiver.frame_timeout = "attacker", budget, frame_timeout
+    return sender, receiver
+
+
+async def test_a_zstd_bomb_past_the_share_is_refused_before_it_is_inflated():
+    budget = ByteBudget(total=8 << 20, per_peer=4 << 20)
+    sender, receiver = _pair(budget)
+    await sender.send_bytes(zeros_frame(SID, 16 << 20, 576))
+    with pytest.raises(w.FrameTooLarge, match="frame budget"):
+        await receiver.receive(5)
+    assert budget.in_use == 0 and budget.high_water == 0  # nothing was ever taken, nothing inflated
+
+
+async def test_frames_past_the_share_wait_unread_until_the_first_is_released(autojump_clock):
+    budget = ByteBudget(total=8 << 20, per_peer=3 << 20)
+    sender, receiver = _pair(budget)
+    for step in range(2):  # 2 MiB each once inflated: one fits the share at a time
+        await sender.send_bytes(zeros_frame(SID, 2 << 20, 576, step=step))
+    first, held = await receiver.receive_held(5)
+    assert budget.used["attacker"] == first.tensors[0].nbytes
+    with trio.move_on_after(3) as waited:
+        await receiver.receive(10)
+    assert waited.cancelled_caught  # flow control: the second frame waits, its bytes not read
+    held.release()
+    second = await receiver.receive(10)
+    assert second.step == 1 and budget.in_use == 0
+
+
+async def test_a_half_sent_frame_is_dropped_after_the_frame_timeout(autojump_clock):
+    budget = ByteBudget(total=64 << 20, per_peer=32 << 20)
+    sender, receiver = _pair(budget, frame_timeout=5.0)
+    await sender.send_bytes(half_frame(1 << 20, 4096))
+    t0 = trio.current_time()
+    with pytest.raises(FrameStalled, match="not whole within 5 s"):
+        await receiver.receive(300)
+    assert trio.current_time() - t0 == pytest.approx(5.0)
+    assert budget.in_use == 0
+
+
+async def test_an_idle_stream_still_gets_its_whole_idle_timeout(autojump_clock):
+    sender, receiver = _pair(ByteBudget(total=1 << 20, per_peer=1 << 20), frame_timeout=5.0)
+    with pytest.raises(trio.TooSlowError) as info:
+        await receiver.receive(60)
+    assert not isinstance(info.value, FrameStalled)
+
+
+def _tiny_shard(tmp_path, start, end):
+    from meshd.shard.artifact import open_artifact
+    from meshd.shard.recipe import NATIVE
+    from meshd.shard.runtime import Shard
+    from tests import tiny_models
+
+    model = tiny_models.tiny_llama(seed=3)
+    return Shard(open_artifact(tiny_models.write_llama_gguf(model, tmp_path / "m.gguf")), start, end, NATIVE)
+
+
+def test_a_refused_job_holds_its_input_no_longer_than_its_caller(tmp_path):
+    shard = _tiny_shard(tmp_path, 1, 2)
+    shard.open_session("a")
+    x = torch.zeros(1, 1 << 16, shard.config.hidden)  # far past the positions a session may hold
+    ref = weakref.ref(x)
+    gc.disable()
+    try:
+        (out,) = shard.forward_batch([("a", x, 0)])
+        assert isinstance(out, Exception) and out.__traceback__ is None
+        del x
+        assert ref() is None  # freed at once, not when the cyclic collector runs
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.bfloat16])
+def test_hidden_states_of_a_wrong_dtype_are_refused_like_a_wrong_width(tmp_path, dtype):
+    shard = _tiny_shard(tmp_path, 1, 2)
+    shard.open_session("a")
+    (out,) = shard.forward_batch([("a", torch.zeros(1, 2, shard.config.hidden, dtype=dtype), 0)])
+    assert isinstance(out, ValueError) and "float32" in str(out) and str(dtype).split(".")[1] in str(out)
+    (wide,) = shard.forward_batch([("a", torch.zeros(1, 2, shard.config.hidden + 1), 0)])
+    assert isinstance(wide, ValueError)
