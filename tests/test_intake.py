@@ -174,3 +174,42 @@ def test_hidden_states_of_a_wrong_dtype_are_refused_like_a_wrong_width(tmp_path,
     assert isinstance(out, ValueError) and "float32" in str(out) and str(dtype).split(".")[1] in str(out)
     (wide,) = shard.forward_batch([("a", torch.zeros(1, 2, shard.config.hidden + 1), 0)])
     assert isinstance(wide, ValueError)
+
+
+def test_one_peer_gets_its_share_of_sessions_and_kv_and_the_rest_stays_for_others():
+    from meshd.hop.admission import Capacity
+
+    cap = Capacity(sessions=6, max_sessions=8, promised=600, budget=1000)
+    assert cap.peer_refusal(5, 500, 100, share=0.75) is None
+    assert "its share" in cap.peer_refusal(6, 500, 100, share=0.75)  # 6 of 8 sessions
+    assert "KV budget" in cap.peer_refusal(1, 700, 100, share=0.75)  # 800 of 1000 bytes
+    assert cap.peer_refusal(0, 0, 100, share=0.75) is None  # another peer still gets in
+    full = Capacity(sessions=8, max_sessions=8, promised=600, budget=1000)
+    assert "its limit" in full.peer_refusal(0, 0, 100)  # and the shard's own limits still hold
+
+
+def test_sessions_held_by_a_peer_are_counted_from_their_home_streams():
+    from types import SimpleNamespace
+
+    from meshd.hop.links import Links
+    from meshd.hop.sessions import HopSession, SessionTable
+
+    table = SessionTable()
+    for i, peer in enumerate(["A", "A", "B"]):
+        table[(bytes([i]), 0)] = HopSession((bytes([i]), 0), None, promised=10 * (i + 1),
+                                            links=Links(SimpleNamespace(peer=peer)))
+    table[(b"x", 0)] = HopSession((b"x", 0), None, promised=99)  # the entry's own: no home stream
+    assert table.held_by("A") == (2, 30) and table.held_by("B") == (1, 30) and table.held_by("C") == (0, 0)
+
+
+def test_a_mesh_full_of_live_daemons_is_reported_full_not_gone():
+    from meshd.entry.errors import GenerationError, HopFailed
+    from meshd.entry.policy import Retries
+
+    r = Retries(deadline=30.0, busy_wait_s=30.0)
+    r.after_failure(HopFailed("A", "full", busy_s=0.5))
+    with pytest.raises(GenerationError) as busy:
+        r.after_refusal(GenerationError(w.ErrorCode.NO_ROUTE, "no route: layers [(10, 20)] are served by no live"
+                                                              " peer"), now=31.0)
+    assert busy.value.code == w.ErrorCode.BUSY and "alive and full" in str(busy.value)
+    assert "no live peer" not in str(busy.value)

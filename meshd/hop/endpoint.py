@@ -79,6 +79,11 @@ class ShardEndpoint:
         """Sessions of a typical length (`TYPICAL_LENGTH` positions) that would be admitted now."""
         return self.capacity().free_sessions(self.shard.kv.bytes_for(TYPICAL_LENGTH))
 
+    def kv_need(self, msg: OpenSession) -> int:
+        """The KV bytes a session is promised at open: its whole length, on its layers."""
+        length = min(msg.max_length or self.shard.max_positions, self.shard.max_positions)
+        return self.shard.kv.bytes_for(max(0, length), msg.end - msg.start)
+
     def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
                      session_id=getattr(msg, "session_id", b""))
@@ -94,8 +99,7 @@ class ShardEndpoint:
             return [self._error(msg, ErrorCode.BAD_FRAME, f"this shard serves layers [{self.shard.start},"
                                 f" {self.shard.end}), not [{msg.start}, {msg.end})")]
         key = (msg.session_id, msg.epoch)
-        length = min(msg.max_length or self.shard.max_positions, self.shard.max_positions)
-        need = self.shard.kv.bytes_for(max(0, length), msg.end - msg.start)
+        need = self.kv_need(msg)
         why = self.admit(key, need)
         if why is not None:
             self.refused += 1

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
+from meshd.hop.admission import PEER_SHARE
 from meshd.hop.scheduler import Work
 from meshd.node.log import get_logger
 from meshd.p2p.budget import ByteBudget, Held
 from meshd.p2p.channel import FRAME_TIMEOUT, Channel, ChannelClosed, FrameStalled
 from meshd.shard.footprint import trim_heap
-from meshd.wire import (Error, ErrorCode, ForwardBatch, Heartbeat, Hello, Message, OpenSession,
-                        UnsupportedVersion, WireError)
+from meshd.wire import (Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message, OpenSession,
+                        UnsupportedVersion, WireError, chunk_tokens)
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 IDLE_TIMEOUT = 300.0
@@ -32,6 +33,7 @@ FRAME_BUDGET = 512 << 20  # bytes all peers' frames may occupy at once (queued, 
 PEER_FRAME_SHARE = 192 << 20  # ... one peer's frames (three of the largest frames a decoder takes)
 STREAMS_PER_PEER = 128  # shard streams one peer may hold open here (an entry opens one per session)
 TRIM_AFTER = 16 << 20  # once the frames of a burst this big are done, freed heap goes back to the system
+BUSY_RETRY_S = 1.0
 log = get_logger(__name__)
 
 
@@ -45,13 +47,43 @@ class Intake:
     streams_per_peer: int = STREAMS_PER_PEER
     frame_timeout: float = FRAME_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
+    peer_share: float = PEER_SHARE  # of the sessions and KV, what one peer may hold (meshd/hop/admission.py)
     streams: Counter = field(default_factory=Counter)  # peer -> shard streams open now
+    opening: Counter = field(default_factory=Counter)  # peer -> sessions admitted here, not yet opened
+    opening_kv: Counter = field(default_factory=Counter)  # peer -> their KV bytes
 
     def channel(self, stream) -> Channel:
         channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
         channel.peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", ""))
         channel.budget, channel.frame_timeout = self.budget, self.frame_timeout
         return channel
+
+    def admission(self, service, peer: str, msg: OpenSession) -> Error | None:
+        """The `busy` refusal of a session, answered on the event loop (not behind a pass): the
+        daemon is full, or this peer holds its share. None: the endpoint decides (and says what
+        else may be wrong); the session then counts against the peer until it is open."""
+        endpoint = service.endpoint
+        if ((msg.model_fingerprint, msg.recipe_fingerprint) != (endpoint.model_fp, endpoint.recipe_fp)
+                or (msg.session_id, msg.epoch) in endpoint.sessions):
+            return None
+        need = endpoint.kv_need(msg)
+        count, promised = endpoint.sessions.held_by(peer)
+        why = endpoint.capacity().peer_refusal(count + self.opening[peer], promised + self.opening_kv[peer], need,
+                                               self.peer_share)
+        if why is None:
+            self.opening[peer] += 1
+            self.opening_kv[peer] += need
+            return None
+        endpoint.refused += 1
+        return Error(code=ErrorCode.BUSY, message=f"busy: this daemon is full: {why}", retriable=True,
+                     request_id=msg.request_id, session_id=msg.session_id, retry_after_s=BUSY_RETRY_S)
+
+    def opened(self, service, peer: str, msg: OpenSession) -> None:
+        """A session admitted by `admission` has opened (or failed to): it counts as held, or not at all."""
+        for counter, n in ((self.opening, 1), (self.opening_kv, service.endpoint.kv_need(msg))):
+            counter[peer] -= n
+            if counter[peer] <= 0:
+                del counter[peer]
 
     async def release(self, held: Held | None) -> None:
         """Give a frame's bytes back; after a burst, hand the freed heap back too (as loading does)."""
@@ -95,7 +127,7 @@ async def serve_shard_stream(service, stream, intake: Intake | None = None) -> N
             intake.streams[channel.peer] -= 1
             if intake.streams[channel.peer] <= 0:
                 del intake.streams[channel.peer]
-            await _withdraw_unread(service, intake, work_recv)
+            await _withdraw_unread(service, intake, channel.peer, work_recv)
             for key in opened:
                 await service.release(key)
             await channel.aclose()
@@ -135,6 +167,9 @@ async def _read(service, intake: Intake, channel: Channel, work_send: trio.Memor
             await channel.send(msg)
         elif isinstance(msg, ForwardBatch):
             await _submit_batch(service, msg, held, work_send)
+        elif (refusal := _refusal(service, intake, channel.peer, msg)) is not None:
+            held.release()
+            await channel.send(refusal)
         else:
             if isinstance(msg, OpenSession):
                 opened.add((msg.session_id, msg.epoch))
@@ -148,10 +183,35 @@ async def _read(service, intake: Intake, channel: Channel, work_send: trio.Memor
                 raise
 
 
+def max_positions(service) -> int:
+    """Positions one Forward frame may carry here: a pass's token budget (or the prefill chunk size
+    this daemon was given, if larger), whoever sends it, so that no frame holds a pass for long."""
+    return max(service.scheduler.token_budget, chunk_tokens())
+
+
+def _too_long(service, frame: Forward) -> Error | None:
+    shape = frame.tensors[0].shape if frame.tensors else ()
+    rows, most = (shape[1] if len(shape) >= 2 else 1), max_positions(service)
+    if rows <= most:
+        return None
+    return Error(code=ErrorCode.BAD_FRAME, session_id=frame.session_id,
+                 message=f"a forward frame carries at most {most} positions here, not {rows}: send prefill in chunks")
+
+
+def _refusal(service, intake: Intake, peer: str, msg: Message) -> Error | None:
+    """What the reader answers at once instead of queueing `msg`: a Forward too long for one
+    pass, a session the daemon (or this peer's share) has no room for."""
+    if isinstance(msg, Forward):
+        return _too_long(service, msg)
+    if isinstance(msg, OpenSession):
+        return intake.admission(service, peer, msg)
+    return None
+
+
 async def _submit_batch(service, msg: ForwardBatch, held: Held, work_send: trio.MemorySendChannel) -> None:
     """One upstream pass's outputs: all of them join the scheduler now, so they can share a pass
     here too; the worker answers them in order (and gives the batch's bytes back after the last)."""
-    submitted = [(frame, service.submit(frame)) for frame in msg.frames()]
+    submitted = [(frame, _too_long(service, frame) or service.submit(frame)) for frame in msg.frames()]
     i = 0
     try:
         for i, item in enumerate(submitted):
@@ -163,14 +223,17 @@ async def _submit_batch(service, msg: ForwardBatch, held: Held, work_send: trio.
                 service.scheduler.withdraw(work)
         raise
 
-async def _withdraw_unread(service, intake: Intake, work: trio.MemoryReceiveChannel) -> None:
-    """Take back the submitted frames of a stream that ended before its worker reached them."""
+async def _withdraw_unread(service, intake: Intake, peer: str, work: trio.MemoryReceiveChannel) -> None:
+    """Take back the submitted frames (and admitted sessions) of a stream that ended before its
+    worker reached them."""
     while True:
         try:
             item, held = work.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             return
         await intake.release(held)
+        if isinstance(item, OpenSession):
+            intake.opened(service, peer, item)
         if isinstance(item, tuple) and isinstance(item[1], Work):
             service.scheduler.withdraw(item[1])
 
@@ -200,8 +263,12 @@ async def _work(service, intake: Intake, channel: Channel, work: trio.MemoryRece
                     except trio.BrokenResourceError:  # the stream broke: nobody to answer
                         return
                 continue
-            if not await _answer(service, channel, msg):
-                return
+            try:
+                if not await _answer(service, channel, msg):
+                    return
+            finally:
+                if isinstance(msg, OpenSession):
+                    intake.opened(service, channel.peer, msg)
         finally:
             await intake.release(held)
 

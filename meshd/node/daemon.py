@@ -166,7 +166,9 @@ class Daemon:
         await self.mesh.publish(**self.live_fields())
 
     async def _evict_loop(self, period_s: float = 30.0) -> None:
-        """Free the KV of sessions idle past their TTL, so a vanished entry cannot hold memory."""
+        """Free the KV of sessions idle past their TTL (--session-idle), so a vanished entry, or one that
+        keeps sessions with no use, cannot hold memory."""
+        period_s = min(period_s, max(1.0, self.settings.session_idle / 4))
         while True:
             await trio.sleep(period_s)
             evicted = await self.compute.run(self.slot.service.endpoint.evict_expired)

@@ -77,6 +77,8 @@ class Settings:
     streams_per_peer: int = 128  # shard streams one peer may hold open
     frame_timeout: float = 30.0  # seconds a frame begun may take to arrive whole (half-sent frames are dropped)
     stream_idle: float = 300.0  # seconds a shard stream may say nothing before it is closed
+    session_idle: float = 600.0  # seconds a session may send no frame before its KV is released
+    peer_share: float = 0.75  # of the sessions and the KV budget, what sessions from one peer may hold
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
 
     def configure(self) -> None:
@@ -112,8 +114,10 @@ class Settings:
         if not 0 < self.peer_frame_mb <= self.frame_budget_mb:
             raise ValueError(f"--peer-frame-mb ({self.peer_frame_mb}) must be positive and at most"
                              f" --frame-budget-mb ({self.frame_budget_mb})")
+        if not 0 < self.peer_share <= 1:
+            raise ValueError(f"--peer-share must be in (0, 1], not {self.peer_share}")
         return Intake(ByteBudget(self.frame_budget_mb << 20, self.peer_frame_mb << 20), self.streams_per_peer,
-                      self.frame_timeout, self.stream_idle)
+                      self.frame_timeout, self.stream_idle, self.peer_share)
 
     def relay_limits(self):
         from meshd.relay.policy import RelayLimits

@@ -200,9 +200,9 @@ class Shard:
                     if key in seen:
                         raise ValueError(f"session {key!r} appears twice in one batch")
                     seen.add(key)
-                    kv = self.kv.get(key)
                     first, last = self._ranges.get(key, (self.start, self.end))
-                    h = self._input(x, first, position)
+                    h = self._input(x, first, position)  # checked first: refused input keeps no session alive
+                    kv = self.kv.get(key)
                     kv.reserve(position, h.shape[1])
                     groups.setdefault((first, last), []).append((i, kv, h, position))
                 except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
