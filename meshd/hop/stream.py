@@ -87,10 +87,13 @@ class Intake:
 
     async def release(self, held: Held | None) -> None:
         """Give a frame's bytes back; after a burst, hand the freed heap back too (as loading does)."""
-        if held is None:
-            return
-        held.release()
-        if self.budget.trimmed(TRIM_AFTER):
+        if held is not None:
+            held.release()
+        await self.trim_after_burst()
+
+    async def trim_after_burst(self, now: bool = False) -> None:
+        """Once a burst of frames is over (nothing held, much held before), or `now`, give the heap back."""
+        if self.budget.trimmed(TRIM_AFTER) or now:
             await trio.to_thread.run_sync(trim_heap)
 
 
@@ -130,7 +133,8 @@ async def serve_shard_stream(service, stream, intake: Intake | None = None) -> N
             await _withdraw_unread(service, intake, channel.peer, work_recv)
             for key in opened:
                 await service.release(key)
-            await channel.aclose()
+            await channel.aclose()  # its decoder's buffer (a half-sent frame) goes before the trim
+            await intake.trim_after_burst(channel.largest >= TRIM_AFTER)
         if opened:
             log.info("session stream closed", sessions=len(opened))
 
@@ -168,7 +172,8 @@ async def _read(service, intake: Intake, channel: Channel, work_send: trio.Memor
         elif isinstance(msg, ForwardBatch):
             await _submit_batch(service, msg, held, work_send)
         elif (refusal := _refusal(service, intake, channel.peer, msg)) is not None:
-            held.release()
+            msg = None  # its tensors go before a trim
+            await intake.release(held)
             await channel.send(refusal)
         else:
             if isinstance(msg, OpenSession):
@@ -270,6 +275,7 @@ async def _work(service, intake: Intake, channel: Channel, work: trio.MemoryRece
                 if isinstance(msg, OpenSession):
                     intake.opened(service, channel.peer, msg)
         finally:
+            msg = submitted = None  # its tensors go before a trim
             await intake.release(held)
 
 

@@ -55,6 +55,7 @@ class Channel:
         self.protocol = protocol
         self.peer = ""  # the peer at the other end, where known
         self.budget, self.frame_timeout = budget, frame_timeout
+        self.largest = 0  # the largest cost of a frame begun on this channel
         self._decoder = Decoder()
         self._send_lock = trio.Lock()
 
@@ -118,6 +119,7 @@ class Channel:
             head = self._decoder.head()
             if head is not None:
                 begun = trio.current_time() if begun is None else begun
+                self.largest = max(self.largest, head.cost)
                 with trio.move_on_at(begun + self.frame_timeout) as waited:
                     try:
                         await held.grow(head.cost)
@@ -151,6 +153,7 @@ class Channel:
         return data
 
     async def aclose(self) -> None:
+        self._decoder = Decoder(self._decoder.limits)  # nothing more is read: a half frame's bytes go now
         try:
             await self._close()
         except Exception:  # closing a dead stream is not an error worth reporting

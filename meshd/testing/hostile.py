@@ -99,15 +99,20 @@ class HostilePeer:
         """`streams` streams, each stopped `sent` bytes into a frame that declares `declared_raw`:
         the streams are left open (the caller ends them with `reset_all`)."""
         chunk = half_frame(declared_raw, sent)
-        out = []
-        for _ in range(streams):
+        out: list = []
+
+        async def one() -> None:
             ch = await self.open_stream()
             try:
-                await ch.send_bytes(chunk)
+                await ch.send_bytes(chunk)  # a stream the daemon stopped reading fails here
             except ChannelClosed as exc:
                 out.append(exc)
-                continue
+                return
             out.append(ch)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
         return out
 
     async def flood_sessions(self, count: int, start: int, end: int) -> list[w.Message]:
@@ -158,10 +163,10 @@ class HostilePeer:
         await ch.aclose()
         return reply
 
-    async def echo_times(self, seconds: float, period: float = 0.1) -> list[float]:
-        """Heartbeat round trips on one stream for `seconds` (as an entry pings a hop); a missing
-        echo counts as the whole wait."""
-        ch = await self.open_stream()
+    async def echo_times(self, seconds: float, period: float = 0.1, channel: Channel | None = None) -> list[float]:
+        """Heartbeat round trips on one stream (`channel`, else a new one) for `seconds`, as an
+        entry pings a hop; a missing echo counts as the whole wait."""
+        ch = channel or await self.open_stream()
         times: list[float] = []
         deadline = trio.current_time() + seconds
         nonce = 0

@@ -89,9 +89,10 @@ def run_attack(name: str, victim_pid: int, victim_addr: str, entry_socket, refer
 
     async def main() -> None:
         async with open_hostile(victim_addr) as peer:
+            probe = await peer.open_stream()  # before the attack: a stream cap must not refuse it
             async with trio.open_nursery() as nursery:
                 async def echo():
-                    result["echo"] = await peer.echo_times(echo_s)
+                    result["echo"] = await peer.echo_times(echo_s, channel=probe)
 
                 async def honest():
                     await trio.sleep(0.2)  # the attack has begun
