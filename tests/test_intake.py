@@ -213,3 +213,22 @@ def test_a_mesh_full_of_live_daemons_is_reported_full_not_gone():
                                                               " peer"), now=31.0)
     assert busy.value.code == w.ErrorCode.BUSY and "alive and full" in str(busy.value)
     assert "no live peer" not in str(busy.value)
+
+
+async def test_large_frames_are_decoded_off_the_event_loop_and_small_ones_on_it(monkeypatch):
+    import threading
+
+    threads = []
+    real = w.Decoder.decode
+
+    def decode(self, frame):
+        threads.append(threading.current_thread())
+        return real(self, frame)
+
+    monkeypatch.setattr(w.Decoder, "decode", decode)
+    sender, receiver = _pair(ByteBudget(total=64 << 20, per_peer=32 << 20))
+    await sender.send_bytes(zeros_frame(SID, 8 << 20, 576))
+    await sender.send(w.Heartbeat(seq=1))
+    big, small = await receiver.receive(10), await receiver.receive(10)
+    assert big.tensors[0].nbytes > 4 << 20 and small == w.Heartbeat(seq=1)
+    assert threads[0] is not threading.current_thread() and threads[1] is threading.current_thread()
