@@ -232,3 +232,43 @@ async def test_large_frames_are_decoded_off_the_event_loop_and_small_ones_on_it(
     big, small = await receiver.receive(10), await receiver.receive(10)
     assert big.tensors[0].nbytes > 4 << 20 and small == w.Heartbeat(seq=1)
     assert threads[0] is not threading.current_thread() and threads[1] is threading.current_thread()
+
+
+def test_one_peer_s_waiting_frames_get_their_share_of_the_queue():
+    from types import SimpleNamespace
+
+    from meshd.hop.scheduler import Scheduler
+    from meshd.hop.intake import Intake
+
+    intake, service = Intake(peer_share=0.75), SimpleNamespace(scheduler=Scheduler(max_queued=8))
+    assert all(intake.enqueue(service, "A") is None for _ in range(6))
+    refusal = intake.enqueue(service, "A")
+    assert refusal.code == w.ErrorCode.BUSY and "its share of 8" in refusal.message and refusal.retriable
+    assert intake.enqueue(service, "B") is None  # others still get in
+    intake.dequeue("A")
+    assert intake.enqueue(service, "A") is None and intake.queued == {"A": 6, "B": 1}
+
+
+def test_sessions_admitted_but_not_yet_open_count_against_their_peer():
+    from types import SimpleNamespace
+
+    from meshd.hop.admission import Capacity
+    from meshd.hop.intake import Intake
+    from meshd.hop.sessions import SessionTable
+
+    endpoint = SimpleNamespace(model_fp="m", recipe_fp="r", sessions=SessionTable(), refused=0,
+                               kv_need=lambda msg: 10, capacity=lambda: Capacity(0, 8, 0, 1000))
+    service, intake = SimpleNamespace(endpoint=endpoint), Intake(peer_share=0.5)
+
+    def open_msg(i, fp="m"):
+        return w.OpenSession(request_id=i, session_id=bytes([i]) * 16, epoch=0, start=0, end=1,
+                             model_fingerprint=fp, recipe_fingerprint="r")
+
+    assert [intake.admission(service, "A", open_msg(i)) for i in range(4)] == [None] * 4
+    busy = intake.admission(service, "A", open_msg(4))  # 4 of 8 pending: A's share, though none is open yet
+    assert busy.code == w.ErrorCode.BUSY and "daemon is full" in busy.message and endpoint.refused == 1
+    assert intake.admission(service, "B", open_msg(5)) is None  # the floor for others
+    assert intake.admission(service, "A", open_msg(6, fp="x")) is None  # the endpoint will say what is wrong
+    intake.opened(service, "A", open_msg(6, fp="x"))  # never counted: takes nothing back
+    intake.opened(service, "A", open_msg(0))
+    assert intake.opening == {"A": 3, "B": 1} and intake.opening_kv == {"A": 30, "B": 10}

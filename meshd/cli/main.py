@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " closed (default 300)")
     join.add_argument("--session-idle", type=float, help="seconds a session may send no frame before its KV is"
                       " released (default 600)")
-    join.add_argument("--peer-share", type=float, help="share of the sessions and of the KV budget that sessions"
-                      " from one peer may hold; the rest stays for others (default 0.75)")
+    join.add_argument("--peer-share", type=float, help="share of the sessions, the KV budget and the queue that"
+                      " one peer may hold; the rest stays for others (default 0.75)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

@@ -6,95 +6,29 @@ order on the service (and through it on the compute thread): a hop busy computin
 alive. A `ForwardBatch` is submitted whole at once, so what one hop computed together the next
 computes together. A stream that can no longer be trusted (a bad frame, a version it does not speak)
 is told why and closed. A stream's sessions are released when it ends, however it ends, so a
-vanished entry never leaves KV behind.
+vanished entry never leaves KV behind. What a peer's streams may take (bytes, streams, shares of
+sessions and of the queue) is the daemon's `Intake` (`meshd/hop/intake.py`), asked before a frame
+is queued.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import structlog
 import trio
 
-from meshd.hop.admission import PEER_SHARE
+from meshd.hop.intake import Intake
 from meshd.hop.scheduler import Work
 from meshd.node.log import get_logger
-from meshd.p2p.budget import ByteBudget, Held
-from meshd.p2p.channel import FRAME_TIMEOUT, Channel, ChannelClosed, FrameStalled
-from meshd.shard.footprint import trim_heap
+from meshd.p2p.budget import Held
+from meshd.p2p.channel import Channel, ChannelClosed, FrameStalled
 from meshd.wire import (Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message, OpenSession,
                         UnsupportedVersion, WireError, chunk_tokens)
-from meshd.wire.protocols import SHARD_PROTOCOL
 
-IDLE_TIMEOUT = 300.0
 WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream (their bytes are bounded by the budget)
-FRAME_BUDGET = 512 << 20  # bytes all peers' frames may occupy at once (queued, half-received, being decoded)
-PEER_FRAME_SHARE = 192 << 20  # ... one peer's frames (three of the largest frames a decoder takes)
-STREAMS_PER_PEER = 128  # shard streams one peer may hold open here (an entry opens one per session)
-TRIM_AFTER = 16 << 20  # once the frames of a burst this big are done, freed heap goes back to the system
-BUSY_RETRY_S = 1.0
+TRIM_AFTER = 16 << 20  # a stream that took a frame this big hands the freed heap back when it ends
 log = get_logger(__name__)
-
-
-@dataclass
-class Intake:
-    """What a daemon takes in from other daemons' shard streams, one for all its streams: frame
-    bytes against a per-peer share and a total (`meshd/p2p/budget.py`), streams per peer, and how
-    long a stream may sit on a half-sent frame or say nothing at all."""
-
-    budget: ByteBudget = field(default_factory=lambda: ByteBudget(FRAME_BUDGET, PEER_FRAME_SHARE))
-    streams_per_peer: int = STREAMS_PER_PEER
-    frame_timeout: float = FRAME_TIMEOUT
-    idle_timeout: float = IDLE_TIMEOUT
-    peer_share: float = PEER_SHARE  # of the sessions and KV, what one peer may hold (meshd/hop/admission.py)
-    streams: Counter = field(default_factory=Counter)  # peer -> shard streams open now
-    opening: Counter = field(default_factory=Counter)  # peer -> sessions admitted here, not yet opened
-    opening_kv: Counter = field(default_factory=Counter)  # peer -> their KV bytes
-
-    def channel(self, stream) -> Channel:
-        channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-        channel.peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", ""))
-        channel.budget, channel.frame_timeout = self.budget, self.frame_timeout
-        return channel
-
-    def admission(self, service, peer: str, msg: OpenSession) -> Error | None:
-        """The `busy` refusal of a session, answered on the event loop (not behind a pass): the
-        daemon is full, or this peer holds its share. None: the endpoint decides (and says what
-        else may be wrong); the session then counts against the peer until it is open."""
-        endpoint = service.endpoint
-        if ((msg.model_fingerprint, msg.recipe_fingerprint) != (endpoint.model_fp, endpoint.recipe_fp)
-                or (msg.session_id, msg.epoch) in endpoint.sessions):
-            return None
-        need = endpoint.kv_need(msg)
-        count, promised = endpoint.sessions.held_by(peer)
-        why = endpoint.capacity().peer_refusal(count + self.opening[peer], promised + self.opening_kv[peer], need,
-                                               self.peer_share)
-        if why is None:
-            self.opening[peer] += 1
-            self.opening_kv[peer] += need
-            return None
-        endpoint.refused += 1
-        return Error(code=ErrorCode.BUSY, message=f"busy: this daemon is full: {why}", retriable=True,
-                     request_id=msg.request_id, session_id=msg.session_id, retry_after_s=BUSY_RETRY_S)
-
-    def opened(self, service, peer: str, msg: OpenSession) -> None:
-        """A session admitted by `admission` has opened (or failed to): it counts as held, or not at all."""
-        for counter, n in ((self.opening, 1), (self.opening_kv, service.endpoint.kv_need(msg))):
-            counter[peer] -= n
-            if counter[peer] <= 0:
-                del counter[peer]
-
-    async def release(self, held: Held | None) -> None:
-        """Give a frame's bytes back; after a burst, hand the freed heap back too (as loading does)."""
-        if held is not None:
-            held.release()
-        await self.trim_after_burst()
-
-    async def trim_after_burst(self, now: bool = False) -> None:
-        """Once a burst of frames is over (nothing held, much held before), or `now`, give the heap back."""
-        if self.budget.trimmed(TRIM_AFTER) or now:
-            await trio.to_thread.run_sync(trim_heap)
 
 
 DEFAULT_INTAKE = Intake()
@@ -170,7 +104,7 @@ async def _read(service, intake: Intake, channel: Channel, work_send: trio.Memor
                             recipe_fingerprint=service.endpoint.recipe_fp)
             await channel.send(msg)
         elif isinstance(msg, ForwardBatch):
-            await _submit_batch(service, msg, held, work_send)
+            await _submit_batch(service, intake, channel.peer, msg, held, work_send)
         elif (refusal := _refusal(service, intake, channel.peer, msg)) is not None:
             msg = None  # its tensors go before a trim
             await intake.release(held)
@@ -205,18 +139,33 @@ def _too_long(service, frame: Forward) -> Error | None:
 
 def _refusal(service, intake: Intake, peer: str, msg: Message) -> Error | None:
     """What the reader answers at once instead of queueing `msg`: a Forward too long for one
-    pass, a session the daemon (or this peer's share) has no room for."""
+    pass or past this peer's share of the queue, a session the daemon (or this peer's share) has
+    no room for."""
     if isinstance(msg, Forward):
-        return _too_long(service, msg)
+        refusal = _too_long(service, msg) or intake.enqueue(service, peer)
+        return replace(refusal, session_id=msg.session_id) if refusal is not None else None
     if isinstance(msg, OpenSession):
         return intake.admission(service, peer, msg)
     return None
 
 
-async def _submit_batch(service, msg: ForwardBatch, held: Held, work_send: trio.MemorySendChannel) -> None:
+def _submit(service, intake: Intake, peer: str, frame: Forward) -> Work | Error:
+    """A frame of a ForwardBatch into the scheduler (counted against its peer's share while it
+    waits), or the Error that refuses it."""
+    refusal = _refusal(service, intake, peer, frame)
+    if refusal is not None:
+        return refusal
+    work = service.submit(frame)
+    if not isinstance(work, Work):
+        intake.dequeue(peer)
+    return work
+
+
+async def _submit_batch(service, intake: Intake, peer: str, msg: ForwardBatch, held: Held,
+                        work_send: trio.MemorySendChannel) -> None:
     """One upstream pass's outputs: all of them join the scheduler now, so they can share a pass
     here too; the worker answers them in order (and gives the batch's bytes back after the last)."""
-    submitted = [(frame, _too_long(service, frame) or service.submit(frame)) for frame in msg.frames()]
+    submitted = [(frame, _submit(service, intake, peer, frame)) for frame in msg.frames()]
     i = 0
     try:
         for i, item in enumerate(submitted):
@@ -226,6 +175,7 @@ async def _submit_batch(service, msg: ForwardBatch, held: Held, work_send: trio.
         for _, work in submitted[i:]:
             if isinstance(work, Work):
                 service.scheduler.withdraw(work)
+                intake.dequeue(peer)
         raise
 
 async def _withdraw_unread(service, intake: Intake, peer: str, work: trio.MemoryReceiveChannel) -> None:
@@ -239,6 +189,8 @@ async def _withdraw_unread(service, intake: Intake, peer: str, work: trio.Memory
         await intake.release(held)
         if isinstance(item, OpenSession):
             intake.opened(service, peer, item)
+        if _counted(item):
+            intake.dequeue(peer)
         if isinstance(item, tuple) and isinstance(item[1], Work):
             service.scheduler.withdraw(item[1])
 
@@ -258,6 +210,7 @@ async def _work(service, intake: Intake, channel: Channel, work: trio.MemoryRece
     """Run a stream's frames in arrival order and send their replies; each frame's bytes go back
     to the budget once its work is done."""
     async for msg, held in work:
+        counted = _counted(msg)
         try:
             if isinstance(msg, tuple):  # a frame of a ForwardBatch, already submitted
                 msg, submitted = msg
@@ -276,7 +229,14 @@ async def _work(service, intake: Intake, channel: Channel, work: trio.MemoryRece
                     intake.opened(service, channel.peer, msg)
         finally:
             msg = submitted = None  # its tensors go before a trim
+            if counted:
+                intake.dequeue(channel.peer)
             await intake.release(held)
+
+
+def _counted(item) -> bool:
+    """Whether a work item counts against its peer's share of the queue (see `Intake.enqueue`)."""
+    return isinstance(item, Forward) or (isinstance(item, tuple) and isinstance(item[1], Work))
 
 
 async def _answer(service, channel: Channel, msg: Message) -> bool:

@@ -78,7 +78,7 @@ class Settings:
     frame_timeout: float = 30.0  # seconds a frame begun may take to arrive whole (half-sent frames are dropped)
     stream_idle: float = 300.0  # seconds a shard stream may say nothing before it is closed
     session_idle: float = 600.0  # seconds a session may send no frame before its KV is released
-    peer_share: float = 0.75  # of the sessions and the KV budget, what sessions from one peer may hold
+    peer_share: float = 0.75  # of the sessions, the KV budget and the queue, what one peer may hold
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
 
     def configure(self) -> None:
@@ -108,7 +108,7 @@ class Settings:
 
     def intake(self):
         """The limits on what other daemons' shard streams may take here."""
-        from meshd.hop.stream import Intake
+        from meshd.hop.intake import Intake
         from meshd.p2p.budget import ByteBudget
 
         if not 0 < self.peer_frame_mb <= self.frame_budget_mb:
