@@ -272,3 +272,18 @@ def test_sessions_admitted_but_not_yet_open_count_against_their_peer():
     intake.opened(service, "A", open_msg(6, fp="x"))  # never counted: takes nothing back
     intake.opened(service, "A", open_msg(0))
     assert intake.opening == {"A": 3, "B": 1} and intake.opening_kv == {"A": 30, "B": 10}
+
+
+async def test_the_heap_is_trimmed_after_a_burst_and_again_while_buffers_are_freed(monkeypatch, autojump_clock):
+    from meshd.hop import intake as intake_module
+
+    trims = []
+    monkeypatch.setattr(intake_module, "trim_heap", lambda: trims.append(1))
+    intake = intake_module.Intake(ByteBudget(64 << 20, 32 << 20))
+    held = Held(intake.budget, "A")
+    await held.grow(20 << 20)
+    await intake.release(held)  # the burst is over: one trim now, three more on the loop's ticks
+    assert len(trims) == 1
+    with trio.move_on_after(60):
+        await intake.trim_loop(2.0)
+    assert len(trims) == 1 + intake_module.TRIMS_AFTER_BURST and intake.trims_due == 0

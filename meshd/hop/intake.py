@@ -27,6 +27,8 @@ PEER_FRAME_SHARE = 192 << 20  # ... one peer's frames (three of the largest fram
 STREAMS_PER_PEER = 128  # shard streams one peer may hold open here (an entry opens one per session)
 TRIM_AFTER = 16 << 20  # once the frames of a burst this big are done, freed heap goes back to the system
 BUSY_RETRY_S = 1.0
+TRIM_PERIOD_S = 2.0
+TRIMS_AFTER_BURST = 3  # trims after a burst, TRIM_PERIOD_S apart
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Intake:
     opening_kv: Counter = field(default_factory=Counter)  # peer -> their KV bytes
     queued: Counter = field(default_factory=Counter)  # peer -> its Forward frames waiting for compute here
     admitted: set = field(default_factory=set)  # (peer, session key) counted in `opening`
+    trims_due: int = 0  # heap trims `trim_loop` still owes the last burst
 
     def channel(self, stream) -> Channel:
         channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
@@ -104,6 +107,17 @@ class Intake:
         await self.trim_after_burst()
 
     async def trim_after_burst(self, now: bool = False) -> None:
-        """Once a burst of frames is over (nothing held, much held before), or `now`, give the heap back."""
+        """Once a burst of frames is over (nothing held, much held before), or `now`, give the heap
+        back, and again on the next ticks of `trim_loop` (py-libp2p frees a stream's buffers after
+        its handler returned)."""
         if self.budget.trimmed(TRIM_AFTER) or now:
+            self.trims_due = TRIMS_AFTER_BURST
             await trio.to_thread.run_sync(trim_heap)
+
+    async def trim_loop(self, period_s: float = TRIM_PERIOD_S) -> None:
+        """The daemon's background task: the trims a burst left due, while no frame is held."""
+        while True:
+            await trio.sleep(period_s)
+            if self.trims_due and not self.budget.in_use:
+                self.trims_due -= 1
+                await trio.to_thread.run_sync(trim_heap)

@@ -141,6 +141,7 @@ class Daemon:
                     self.lifecycle.to(State.LOADING)
                     self.switch_to(await self.open_range(start, end))
                     nursery.start_soon(self._evict_loop)
+                    nursery.start_soon(self.intake.trim_loop)
                     if self.rebalancer:
                         nursery.start_soon(self.rebalancer.run)
                     host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
