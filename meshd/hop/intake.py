@@ -106,11 +106,14 @@ class Intake:
             held.release()
         await self.trim_after_burst()
 
-    async def trim_after_burst(self, now: bool = False) -> None:
-        """Once a burst of frames is over (nothing held, much held before), or `now`, give the heap
-        back, and again on the next ticks of `trim_loop` (py-libp2p frees a stream's buffers after
-        its handler returned)."""
-        if self.budget.trimmed(TRIM_AFTER) or now:
+    async def trim_after_burst(self, later: bool = False) -> None:
+        """Once a burst of frames is over (nothing held, much held before), give the heap back now
+        and on the next ticks of `trim_loop` (py-libp2p frees a stream's buffers after its handler
+        returned); with `later` (a stream that took a big frame ended), on those ticks only: trims
+        in a row would stall the event loop (the trim holds malloc's locks while it walks the heap)."""
+        if later:
+            self.trims_due = TRIMS_AFTER_BURST
+        elif self.budget.trimmed(TRIM_AFTER):
             self.trims_due = TRIMS_AFTER_BURST
             await trio.to_thread.run_sync(trim_heap)
 

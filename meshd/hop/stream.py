@@ -68,7 +68,7 @@ async def serve_shard_stream(service, stream, intake: Intake | None = None) -> N
             for key in opened:
                 await service.release(key)
             await channel.aclose()  # its decoder's buffer (a half-sent frame) goes before the trim
-            await intake.trim_after_burst(channel.largest >= TRIM_AFTER)
+            await intake.trim_after_burst(later=channel.largest >= TRIM_AFTER)
         if opened:
             log.info("session stream closed", sessions=len(opened))
 

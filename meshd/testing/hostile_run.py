@@ -82,17 +82,18 @@ def run_attack(name: str, victim_pid: int, victim_addr: str, entry_socket, refer
                attack: Callable[[HostilePeer], Awaitable[object]], echo_s: float = 4.0,
                settle_to: float = 1.10, hold_s: float = 0.0) -> AttackReport:
     """Run `attack` from a hostile peer against the victim while an honest generation goes through
-    the entry and a second hostile stream pings the victim; `hold_s` keeps the attacker connected
-    (its streams open) that long after the attack returned."""
+    the entry and a bystander (another peer) pings the victim; `hold_s` keeps the attacker
+    connected (its streams open) that long after the attack returned."""
     before = rss_bytes(victim_pid)
     result: dict = {}
 
     async def main() -> None:
-        async with open_hostile(victim_addr) as peer:
-            probe = await peer.open_stream()  # before the attack: a stream cap must not refuse it
+        # the echo is timed by a bystander on its own connection, as an entry pings a hop: on the
+        # attacker's connection it would wait behind the attacker's own bytes
+        async with open_hostile(victim_addr) as bystander, open_hostile(victim_addr) as peer:
             async with trio.open_nursery() as nursery:
                 async def echo():
-                    result["echo"] = await peer.echo_times(echo_s, channel=probe)
+                    result["echo"] = await bystander.echo_times(echo_s)
 
                 async def honest():
                     await trio.sleep(0.2)  # the attack has begun
