@@ -12,7 +12,7 @@ from meshd.testing.localmesh import Mesh
 
 pytestmark = pytest.mark.slow
 MB = 1 << 20
-FRAME_BUDGET, PEER_SHARE, STREAMS, FRAME_TIMEOUT = 64 * MB, 32 * MB, 32, 3.0
+FRAME_BUDGET, PEER_SHARE, STREAMS, FRAME_TIMEOUT = 64 * MB, 32 * MB, 8, 3.0
 KV_BUDGET = 1 << 30
 MARGIN = 160 * MB  # what a daemon allocates beyond frames and KV while it serves (honest work, threads, copies)
 HIDDEN = 576
