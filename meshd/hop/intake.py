@@ -28,7 +28,8 @@ STREAMS_PER_PEER = 128  # shard streams one peer may hold open here (an entry op
 TRIM_AFTER = 16 << 20  # once the frames of a burst this big are done, freed heap goes back to the system
 BUSY_RETRY_S = 1.0
 TRIM_PERIOD_S = 2.0
-TRIMS_AFTER_BURST = 3  # trims after a burst, TRIM_PERIOD_S apart
+TRIMS_AFTER_BURST = 15  # trims after a burst, TRIM_PERIOD_S apart: 30 s, so that buffers py-libp2p frees
+# when the peer hangs up go back too
 
 
 @dataclass
