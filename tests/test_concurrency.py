@@ -79,8 +79,10 @@ def test_eight_concurrent_generations_equal_their_solo_text(mesh):
 def test_a_full_mesh_answers_busy_and_stays_up():
     m = Mesh()
     try:
-        # each daemon holds 3 sessions; a generation waits half a second for room, then gives up
-        bounds = ["--threads", "1", "--max-sessions", "3", "--busy-wait", "0.5", "--http", "127.0.0.1:0"]
+        # each daemon holds 3 sessions (all of them for one entry: --peer-share 1); a generation waits half
+        # a second for room, then gives up
+        bounds = ["--threads", "1", "--max-sessions", "3", "--peer-share", "1", "--busy-wait", "0.5",
+                  "--http", "127.0.0.1:0"]
         a, *_ = m.start_chain([(0, 10), (10, 20), (20, 30)], extra=bounds)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
         solo = solo_texts(a.socket, PROMPTS, 32)

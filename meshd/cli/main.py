@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--relay-circuit-s", type=float, help="as a relay: seconds one circuit lasts (default 3600)")
     join.add_argument("--hole-punch", type=int, choices=[0, 1], help="1 (default): turn relayed connections into"
                       " direct ones where both NATs allow it (DCUtR); 0: keep them relayed")
+    join.add_argument("--frame-budget-mb", type=int, help="MiB all peers' frames may occupy here at once, queued,"
+                      " half-received or being decoded; past it streams are not read (default 512)")
+    join.add_argument("--peer-frame-mb", type=int, help="MiB one peer's frames may occupy; a larger frame is"
+                      " refused, more waits (default 192)")
+    join.add_argument("--streams-per-peer", type=int, help="shard streams one peer may hold open (default 128)")
+    join.add_argument("--frame-timeout", type=float, help="seconds a frame begun may take to arrive whole"
+                      " (default 30)")
+    join.add_argument("--stream-idle", type=float, help="seconds a shard stream may say nothing before it is"
+                      " closed (default 300)")
+    join.add_argument("--session-idle", type=float, help="seconds a session may send no frame before its KV is"
+                      " released (default 600)")
+    join.add_argument("--peer-share", type=float, help="share of the sessions, the KV budget and the queue that"
+                      " one peer may hold; the rest stays for others (default 0.75)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")

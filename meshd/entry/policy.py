@@ -49,9 +49,11 @@ class Retries:
         if not (exc.code == ErrorCode.BUSY or (exc.code == ErrorCode.NO_ROUTE and self.busy)):
             raise exc
         left = self.deadline - now
-        if left <= 0:
+        if left <= 0:  # the daemons are alive and full: say so, not that nobody serves the layers
+            why = (f"the daemons serving these layers are alive and full ({len(self.busy)} said busy)"
+                   if exc.code == ErrorCode.NO_ROUTE else str(exc))
             raise GenerationError(ErrorCode.BUSY, f"mesh busy: no route had room within {self.busy_wait_s:g} s"
-                                  f" ({exc})")
+                                  f" ({why})")
         self.epoch += 1
         self.busy.clear()
         return min(left, BUSY_RETRY_S)

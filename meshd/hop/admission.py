@@ -3,7 +3,9 @@ open, the session limit, the KV bytes promised to them and the KV budget.
 
 Rule: the same numbers answer both questions, "may this session open?" (`refusal`, the reason
 behind a `busy` reply) and "how many more would fit?" (`free_sessions`, the record's free capacity
-that entries and routes read), so the two can never disagree.
+that entries and routes read), so the two can never disagree. One peer (the daemon a session's
+stream comes from) gets at most `share` of the sessions and of the KV budget (`peer_refusal`): the
+rest is a floor for everybody else.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TYPICAL_LENGTH = 2048  # positions of the session `free_sessions` counts in
+PEER_SHARE = 0.75  # of the sessions and the KV budget, what one peer may hold
 
 
 @dataclass(frozen=True)
@@ -33,3 +36,13 @@ class Capacity:
         """How many more sessions of `typical` KV bytes each would be admitted now."""
         room = max(0, self.budget - self.promised) // max(1, typical)
         return int(max(0, min(self.max_sessions - self.sessions, room)))
+
+    def peer_refusal(self, peer_sessions: int, peer_promised: int, need: int, share: float = PEER_SHARE) -> str | None:
+        """Why one more session for a peer that holds `peer_sessions` sessions and `peer_promised`
+        KV bytes here cannot open (its share is full, or the shard is), or None when it can."""
+        if peer_sessions >= max(1, int(self.max_sessions * share)):
+            return f"this peer holds {peer_sessions} of this shard's {self.max_sessions} sessions, its share"
+        if peer_promised + need > int(self.budget * share):
+            return (f"this peer's sessions hold {peer_promised} bytes of this shard's KV budget ({self.budget}),"
+                    f" its share; this one needs {need}")
+        return self.refusal(need)

@@ -88,6 +88,12 @@ class ShardEndpoint:
         """Sessions of a typical length (`TYPICAL_LENGTH` positions) that would be admitted now."""
         return self.capacity().free_sessions(self.shard.session_kv_bytes(TYPICAL_LENGTH))
 
+    def kv_need(self, msg: OpenSession) -> int:
+        """The KV bytes a session is promised at open: its whole length on its layers (a windowed
+        layer's window and rollback only)."""
+        length = min(msg.max_length or self.shard.max_positions, self.shard.max_positions)
+        return self.shard.session_kv_bytes(max(0, length), msg.start, msg.end)
+
     def _error(self, msg: Message, code: str, text: str, retriable: bool = False) -> Error:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
                      session_id=getattr(msg, "session_id", b""))
@@ -103,8 +109,7 @@ class ShardEndpoint:
             return [self._error(msg, ErrorCode.BAD_FRAME, f"this shard serves layers [{self.shard.start},"
                                 f" {self.shard.end}), not [{msg.start}, {msg.end})")]
         key = (msg.session_id, msg.epoch)
-        length = min(msg.max_length or self.shard.max_positions, self.shard.max_positions)
-        need = self.shard.session_kv_bytes(max(0, length), msg.start, msg.end)
+        need = self.kv_need(msg)
         why = self.admit(key, need)
         if why is not None:
             self.refused += 1
@@ -132,9 +137,10 @@ class ShardEndpoint:
             except (CacheMiss, ValueError, TypeError) as exc:
                 replies[i] = self._failed(msg, exc)
         for i, (_, x, position), out in zip(where, jobs, self.shard.forward_batch(jobs) if jobs else []):
+            if isinstance(out, Exception):  # answered without raising it: a raised one would hold this frame
+                replies[i] = self._failed(msgs[i], out)
+                continue
             try:
-                if isinstance(out, Exception):
-                    raise out
                 replies[i] = self._reply(msgs[i], out, position + x.shape[1])
             except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
                 replies[i] = self._failed(msgs[i], exc)

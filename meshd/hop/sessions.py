@@ -39,6 +39,11 @@ class SessionTable(dict[Key, HopSession]):
         """KV bytes promised to all open sessions."""
         return sum(s.promised for s in list(self.values()))
 
+    def held_by(self, peer: str) -> tuple[int, int]:
+        """Sessions, and the KV bytes promised to them, whose home stream comes from `peer`."""
+        mine = [s for s in list(self.values()) if s.links is not None and getattr(s.links.home, "peer", "") == peer]
+        return len(mine), sum(s.promised for s in mine)
+
     def links(self, key: Key) -> Links | None:
         session = self.get(key)
         return session.links if session is not None else None

@@ -30,6 +30,7 @@ from meshd.dht.record import CoverageRecord, first_seq
 from meshd.dht.view import MeshView
 from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
+from meshd.hop.stream import serve_shard_stream
 from meshd.node.compute import ComputeExecutor
 from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State
@@ -72,6 +73,7 @@ class Daemon:
         self.ledger = Ledger(None)  # the work ledger (opened in run; this one keeps nothing)
         self._drain_scope = trio.CancelScope()
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
+        self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
 
     @property
     def entry(self) -> Entry | None:
@@ -136,6 +138,7 @@ class Daemon:
                     self.lifecycle.to(State.LOADING)
                     self.switch_to(await self.open_range(start, end))
                     nursery.start_soon(self._evict_loop)
+                    nursery.start_soon(self.intake.trim_loop)
                     if self.rebalancer:
                         nursery.start_soon(self.rebalancer.run)
                     host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
@@ -161,7 +164,9 @@ class Daemon:
         await self.mesh.publish(**self.live_fields())
 
     async def _evict_loop(self, period_s: float = 30.0) -> None:
-        """Free the KV of sessions idle past their TTL, so a vanished entry cannot hold memory."""
+        """Free the KV of sessions idle past their TTL (--session-idle), so a vanished entry, or one that
+        keeps sessions with no use, cannot hold memory."""
+        period_s = min(period_s, max(1.0, self.settings.session_idle / 4))
         while True:
             await trio.sleep(period_s)
             evicted = await self.compute.run(self.slot.service.endpoint.evict_expired)
@@ -249,7 +254,7 @@ class Daemon:
             self.dialer.protect(stream.muxed_conn.peer_id)  # the peer sends sessions our way: keep its connection
         except AttributeError:
             pass
-        await self.slot.service.serve_stream(stream)
+        await serve_shard_stream(self.slot.service, stream, self.intake)
 
     def choose_entry(self, tried=()) -> CoverageRecord | None:
         """The entry a request this daemon cannot run is handed to (see `meshd/entry/policy.py`)."""

@@ -71,6 +71,14 @@ class Settings:
     hole_punch: int = 1  # 1: upgrade relayed connections to direct ones where the NATs allow (DCUtR); 0: never
     wire_encoding: str = "raw"  # how hidden states travel: raw float32, zstd, or auto (zstd where it saves)
     chunk_tokens: int = 128  # prompt tokens per prefill chunk
+    # what other daemons' shard streams may take here (meshd/hop/stream.py `Intake`)
+    frame_budget_mb: int = 512  # MiB all peers' frames may occupy at once: queued, half-received, being decoded
+    peer_frame_mb: int = 192  # MiB one peer's frames may occupy (the rest is the floor for others)
+    streams_per_peer: int = 128  # shard streams one peer may hold open
+    frame_timeout: float = 30.0  # seconds a frame begun may take to arrive whole (half-sent frames are dropped)
+    stream_idle: float = 300.0  # seconds a shard stream may say nothing before it is closed
+    session_idle: float = 600.0  # seconds a session may send no frame before its KV is released
+    peer_share: float = 0.75  # of the sessions, the KV budget and the queue, what one peer may hold
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
     ledger_days: float = 30.0  # the work ledger keeps rows this long, then daily totals per peer (0: no ledger)
 
@@ -102,6 +110,19 @@ class Settings:
         if self.http_token_file:
             return Path(self.http_token_file).read_text().strip()
         return ""
+
+    def intake(self):
+        """The limits on what other daemons' shard streams may take here."""
+        from meshd.hop.intake import Intake
+        from meshd.p2p.budget import ByteBudget
+
+        if not 0 < self.peer_frame_mb <= self.frame_budget_mb:
+            raise ValueError(f"--peer-frame-mb ({self.peer_frame_mb}) must be positive and at most"
+                             f" --frame-budget-mb ({self.frame_budget_mb})")
+        if not 0 < self.peer_share <= 1:
+            raise ValueError(f"--peer-share must be in (0, 1], not {self.peer_share}")
+        return Intake(ByteBudget(self.frame_budget_mb << 20, self.peer_frame_mb << 20), self.streams_per_peer,
+                      self.frame_timeout, self.stream_idle, self.peer_share)
 
     def relay_limits(self):
         from meshd.relay.policy import RelayLimits

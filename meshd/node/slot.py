@@ -33,7 +33,7 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
     check_fits(artifact, recipe, start, end, memory=settings.memory)
 
     def load():
-        shard = Shard(artifact, start, end, recipe, kv_budget_bytes=settings.kv_budget)
+        shard = Shard(artifact, start, end, recipe, kv_budget_bytes=settings.kv_budget, kv_ttl_s=settings.session_idle)
         tokenizer = None
         if shard.is_head:
             from meshd.shard.tokenizer import load_tokenizer

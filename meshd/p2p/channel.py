@@ -11,24 +11,52 @@ from collections import Counter
 
 import trio
 
-from meshd.wire import Decoder, Message, encode
+from meshd.p2p.budget import ByteBudget, Held, OverBudget
+from meshd.wire import Decoder, FrameTooLarge, Message, encode
+from meshd.wire.codec import RawFrame
 
 READ_SIZE = 1 << 16
 SEND_TIMEOUT = 10.0  # a peer that reads nothing for this long is as good as gone
+FRAME_TIMEOUT = 30.0  # a frame begun must be whole within this (a half-sent frame is not kept)
+OFFLOAD_BYTES = 256 << 10  # frames that cost more are checked and decoded on a worker thread
+DECODE_THREADS = 2  # worker threads decoding at once, all channels together
 TRAFFIC: Counter = Counter()  # (protocol, "sent" | "received") -> bytes, for this process's metrics
+_limiter: trio.CapacityLimiter | None = None
 
 
 class ChannelClosed(ConnectionError):
     """The other side went away (EOF, reset or a dead connection)."""
 
 
+class FrameStalled(trio.TooSlowError):
+    """A frame begun was not whole within the channel's frame timeout (sent half, or trickled)."""
+
+
+def message_bytes(msg: Message) -> int:
+    """The tensor bytes a decoded message holds."""
+    return sum(t.nbytes for t in msg.tensors)
+
+
+def _decode_limiter() -> trio.CapacityLimiter:
+    global _limiter
+    if _limiter is None:
+        _limiter = trio.CapacityLimiter(DECODE_THREADS)
+    return _limiter
+
+
 class Channel:
-    def __init__(self, read, write, close, protocol: str = "") -> None:
+    """Frames over a stream. With a `budget`, every frame's declared cost is taken from the peer's
+    share before the frame is read past its header (flow control: past the share the stream is
+    not read until room frees) and held until the caller releases it (`receive_held`)."""
+
+    def __init__(self, read, write, close, protocol: str = "", budget: ByteBudget | None = None,
+                 frame_timeout: float = FRAME_TIMEOUT) -> None:
         self._read, self._write, self._close = read, write, close
         self.protocol = protocol
         self.peer = ""  # the peer at the other end, where known
+        self.budget, self.frame_timeout = budget, frame_timeout
+        self.largest = 0  # the largest cost of a frame begun on this channel
         self._decoder = Decoder()
-        self._pending: list[Message] = []
         self._send_lock = trio.Lock()
 
     @classmethod
@@ -44,7 +72,10 @@ class Channel:
         py-libp2p encrypts a Noise message before it writes it, so a write cancelled half-way leaves the
         connection's nonces out of step and kills the connection, every other stream on it too (seen in
         the relay: a circuit cut mid-write took down the relay's connection to the target)."""
-        data = encode(msg)
+        await self.send_bytes(encode(msg))
+
+    async def send_bytes(self, data: bytes) -> None:
+        """Write bytes already framed (or, in tests, deliberately not), as `send` writes a frame."""
         try:
             async with self._send_lock:
                 with trio.CancelScope(shield=True), trio.fail_after(SEND_TIMEOUT):
@@ -60,25 +91,69 @@ class Channel:
             raise
 
     async def receive(self, timeout: float) -> Message:
-        """The next message; raises ChannelClosed at end of stream, trio.TooSlowError after timeout."""
-        with trio.fail_after(timeout):
-            while not self._pending:
-                try:
-                    data = await self._read(READ_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise ChannelClosed(f"receive failed: {exc}") from None
-                except Exception as exc:
-                    if type(exc).__module__.startswith("libp2p"):
-                        raise ChannelClosed(f"stream ended: {type(exc).__name__}") from None
-                    raise
-                TRAFFIC[self.protocol, "received"] += len(data)
-                if not data:
-                    self._decoder.close()  # raises TruncatedFrame if a frame was cut short
-                    raise ChannelClosed("end of stream")
-                self._pending.extend(self._decoder.feed(data))
-            return self._pending.pop(0)
+        """The next message; raises ChannelClosed at end of stream, trio.TooSlowError after timeout
+        (`FrameStalled` when a frame began but did not finish in time), a `WireError` for bad bytes."""
+        msg, held = await self.receive_held(timeout)
+        held.release()
+        return msg
+
+    async def receive_held(self, timeout: float) -> tuple[Message, Held]:
+        """`receive`, and the budget bytes its tensors hold until the caller releases them."""
+        held = Held(self.budget, self.peer)
+        try:
+            with trio.fail_after(timeout):
+                frame = await self._next_frame(held)
+            if frame.head.cost > OFFLOAD_BYTES:  # checksum, zstd and copies off the event loop
+                msg = await trio.to_thread.run_sync(self._decoder.decode, frame, limiter=_decode_limiter())
+            else:
+                msg = self._decoder.decode(frame)
+        except BaseException:
+            held.release()
+            raise
+        held.shrink(message_bytes(msg))  # the frame's wire bytes are gone, its tensors stay
+        return msg, held
+
+    async def _next_frame(self, held: Held) -> RawFrame:
+        begun: float | None = None
+        while True:
+            head = self._decoder.head()
+            if head is not None:
+                begun = trio.current_time() if begun is None else begun
+                self.largest = max(self.largest, head.cost)
+                with trio.move_on_at(begun + self.frame_timeout) as waited:
+                    try:
+                        await held.grow(head.cost)
+                    except OverBudget as exc:
+                        raise FrameTooLarge(str(exc)) from None
+                if waited.cancelled_caught:
+                    raise FrameStalled(f"no room for a frame of {head.cost} bytes within {self.frame_timeout:g} s")
+                frame = self._decoder.take()
+                if frame is not None:
+                    return frame
+            with trio.move_on_at(float("inf") if begun is None else begun + self.frame_timeout) as waited:
+                data = await self._read_some()
+            if waited.cancelled_caught:
+                raise FrameStalled(f"a frame of {head.body_len} bytes was not whole within {self.frame_timeout:g} s"
+                                   f" ({self._decoder.buffered} bytes came)")
+            if not data:
+                self._decoder.close()  # raises TruncatedFrame if a frame was cut short
+                raise ChannelClosed("end of stream")
+            self._decoder.push(data)
+
+    async def _read_some(self) -> bytes:
+        try:
+            data = await self._read(READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise ChannelClosed(f"receive failed: {exc}") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("libp2p"):
+                raise ChannelClosed(f"stream ended: {type(exc).__name__}") from None
+            raise
+        TRAFFIC[self.protocol, "received"] += len(data)
+        return data
 
     async def aclose(self) -> None:
+        self._decoder = Decoder(self._decoder.limits)  # nothing more is read: a half frame's bytes go now
         try:
             await self._close()
         except Exception:  # closing a dead stream is not an error worth reporting

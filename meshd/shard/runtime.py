@@ -32,6 +32,14 @@ class Owns:
     lm_head: bool  # ...and the LM head, and returns logits
 
 
+def plain_error(exc: Exception) -> Exception:
+    """The same error without its traceback: a raised exception's traceback holds the frames it
+    passed, here the batch's, with every job's input tensors, in a cycle (results -> exception ->
+    traceback -> frame -> results) that only the cyclic collector frees; a frame of 62 MB stayed
+    until it ran."""
+    return type(exc)(*exc.args)
+
+
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3}
 DEFAULT_KV_BUDGET = 1 << 30
 log = get_logger(__name__)
@@ -191,7 +199,8 @@ class Shard:
         """`forward` for several sessions in one pass: (key, x, position) each, at most one job a
         session. Their rows go through the layers stacked (see `rows.Rows`), so each result is
         bit for bit what the session gets alone. A job that cannot run (unknown session, bad
-        input, KV budget full) gets its exception in its place; the others run."""
+        input, KV budget full) gets its exception in its place (a `plain_error`: refused work holds no
+        memory once its reply is out); the others run."""
         results: list[torch.Tensor | Exception | None] = [None] * len(jobs)
         groups: dict[tuple[int, int], list[tuple[int, object, torch.Tensor, int]]] = {}
         with torch.inference_mode():
@@ -201,13 +210,13 @@ class Shard:
                     if key in seen:
                         raise ValueError(f"session {key!r} appears twice in one batch")
                     seen.add(key)
-                    kv = self.kv.get(key)
                     first, last = self._ranges.get(key, (self.start, self.end))
-                    h = self._input(x, first, position)
+                    h = self._input(x, first, position)  # checked first: refused input keeps no session alive
+                    kv = self.kv.get(key)
                     kv.reserve(position, h.shape[1])
                     groups.setdefault((first, last), []).append((i, kv, h, position))
                 except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
-                    results[i] = exc
+                    results[i] = plain_error(exc)
             for (first, last), members in groups.items():  # sessions entering or leaving mid-range apart
                 self._run(first, last, members, results)
         return results  # type: ignore[return-value]
@@ -223,6 +232,9 @@ class Shard:
         else:
             if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden:
                 raise ValueError(f"expected hidden states [1, n, {self.config.hidden}], got {tuple(x.shape)}")
+            if x.dtype not in (self.recipe.torch_wire, self.recipe.torch_compute):  # never converted: refused
+                raise ValueError(f"expected hidden states in {self.recipe.wire_dtype} (recipe {self.recipe.name}),"
+                                 f" got {str(x.dtype).removeprefix('torch.')}")
             h = x.to(self.recipe.torch_compute)
         if h.shape[1] == 0:
             raise ValueError("nothing to run: zero positions")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,28 +102,89 @@ def encode(msg: Message, encoding: Encoding | None = None) -> bytes:
     return b"".join([PREAMBLE.pack(body_len, len(header), crc), header, *chunks])
 
 
+@dataclass(frozen=True, slots=True)
+class FrameHead:
+    """The frame being received, as far as its prefix tells: `body_len` from the checked preamble,
+    `raw_len` (the tensors' declared raw bytes) once the header is in, None before (or when the
+    header will not parse: then the frame fails at `decode` without inflating anything)."""
+
+    body_len: int
+    raw_len: int | None = None
+
+    @property
+    def cost(self) -> int:
+        """The most bytes the frame occupies while it is decoded: its body and its raw tensors."""
+        return self.body_len + (self.raw_len or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RawFrame:
+    """A complete frame's bytes, not yet checked or decoded (`Decoder.decode` does both)."""
+
+    body: memoryview
+    header_len: int
+    crc: int
+    head: FrameHead
+
+
 class Decoder:
-    """Turns a byte stream into messages: `feed(bytes)` returns the messages completed so far."""
+    """Turns a byte stream into messages: `feed(bytes)` returns the messages completed so far.
+
+    The same work in steps, for a caller that must admit a frame's memory before it is read and
+    decode it elsewhere (a thread): `push(bytes)`, `head()` (what the frame in progress will
+    cost), `take()` (a complete frame's bytes) and `decode(frame)` (checksum, header, tensors)."""
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self._buffer = bytearray()
         self._failed: WireError | None = None
+        self._head: FrameHead | None = None
         self._dctx: zstandard.ZstdDecompressor | None = None  # made on first zstd tensor
 
     def feed(self, data: bytes) -> list[Message]:
-        if self._failed is not None:
-            raise type(self._failed)(f"decoder already failed: {self._failed}")
-        self._buffer += data
+        self.push(data)
         out: list[Message] = []
-        try:
-            while (msg := self._next()) is not None:
-                out.append(msg)
-        except WireError as exc:
-            self._failed = exc
-            self._buffer.clear()
-            raise
+        while (frame := self.take()) is not None:
+            out.append(self.decode(frame))
         return out
+
+    def push(self, data: bytes) -> None:
+        """Buffer stream bytes (checking nothing yet)."""
+        self._check_not_failed()
+        self._buffer += data
+
+    def head(self) -> FrameHead | None:
+        """The frame in progress (its preamble checked against `Limits`), or None before one began."""
+        self._check_not_failed()
+        if self._head is None or self._head.raw_len is None:
+            with self._poisoning():
+                self._head = self._read_head()
+        return self._head
+
+    def take(self) -> RawFrame | None:
+        """A complete frame's bytes, removed from the buffer, or None while it is incomplete."""
+        head = self.head()
+        if head is None or len(self._buffer) < PREAMBLE.size + head.body_len:
+            return None
+        buf, end = self._buffer, PREAMBLE.size + head.body_len
+        _, header_len, crc = PREAMBLE.unpack_from(buf)
+        if len(buf) == end:  # the common case: take the buffer over instead of copying it
+            frame, self._buffer = buf, bytearray()
+        else:
+            frame = bytes(buf[:end])
+            del buf[:end]
+        self._head = None
+        return RawFrame(memoryview(frame)[PREAMBLE.size:end], header_len, crc, head)
+
+    def decode(self, frame: RawFrame) -> Message:
+        """The message a complete frame carries; zstd output never exceeds the declared raw size.
+        Touches no buffer of the decoder's, so it may run on another thread while bytes arrive
+        (one `decode` at a time per decoder)."""
+        self._check_not_failed()
+        with self._poisoning():
+            if zlib.crc32(frame.body) != frame.crc:
+                raise ChecksumMismatch(f"frame checksum mismatch ({len(frame.body)} byte body)")
+            return decode_body(frame.body, frame.header_len, self.limits, self._decompressor)
 
     def close(self) -> None:
         """Declare end of stream; raises `TruncatedFrame` if a partial frame is buffered."""
@@ -133,35 +195,54 @@ class Decoder:
     def buffered(self) -> int:
         return len(self._buffer)
 
+    def _check_not_failed(self) -> None:
+        if self._failed is not None:
+            raise type(self._failed)(f"decoder already failed: {self._failed}")
+
+    @contextmanager
+    def _poisoning(self):
+        try:
+            yield
+        except WireError as exc:
+            self._failed = exc
+            self._buffer.clear()
+            raise
+
     def _decompressor(self) -> zstandard.ZstdDecompressor:
         if self._dctx is None:
             self._dctx = zstandard.ZstdDecompressor()
         return self._dctx
 
-    def _next(self) -> Message | None:
+    def _read_head(self) -> FrameHead | None:
         buf = self._buffer
         if len(buf) < PREAMBLE.size:
             return None
-        body_len, header_len, crc = PREAMBLE.unpack_from(buf)
+        body_len, header_len, _ = PREAMBLE.unpack_from(buf)
         if body_len > self.limits.max_body:
             raise FrameTooLarge(f"frame body of {body_len} bytes exceeds the limit of {self.limits.max_body}")
         if header_len > self.limits.max_header:
             raise FrameTooLarge(f"header of {header_len} bytes exceeds the limit of {self.limits.max_header}")
         if header_len > body_len:
             raise MalformedFrame(f"header length {header_len} exceeds body length {body_len}")
-        end = PREAMBLE.size + body_len
-        if len(buf) < end:
-            return None
-        if len(buf) == end:  # the common case: take the buffer over instead of copying it
-            frame, self._buffer = buf, bytearray()
-        else:
-            frame = bytes(buf[:end])
-            del buf[:end]
-        body = memoryview(frame)[PREAMBLE.size:end]
-        if zlib.crc32(body) != crc:
-            raise ChecksumMismatch(f"frame checksum mismatch ({body_len} byte body)")
-        msg = decode_body(body, header_len, self.limits, self._decompressor)
-        return msg
+        if len(buf) < PREAMBLE.size + header_len:
+            return FrameHead(body_len)
+        header = memoryview(buf)[PREAMBLE.size:PREAMBLE.size + header_len]
+        try:
+            return FrameHead(body_len, declared_raw(header, self.limits))
+        finally:
+            header.release()
+
+
+def declared_raw(header: memoryview, limits: Limits) -> int:
+    """The raw bytes a frame's tensors declare, from its header alone (before its checksum is
+    checked: a header that does not parse gives 0, and the frame fails when it is decoded)."""
+    try:
+        descs = _unpack_header(header).get("x")
+        if not isinstance(descs, list) or len(descs) > limits.max_tensors:
+            return 0
+        return sum(_check_descriptor(d, limits)[5] for d in descs)
+    except WireError:
+        return 0
 
 
 def decode_frame(data: bytes, limits: Limits | None = None) -> Message:
