@@ -89,6 +89,7 @@ class Daemon:
         cfg = self.artifact.config
         self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, cfg.adapter, "artifact")
         fixed = s.parse_layers(cfg.n_layers)
+        s.speculate_on  # noqa: B018 -- a bad --speculate or --draft-max is refused before joining
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         if fixed is not None and not relay_only:  # refuse before joining: a range that cannot fit is an operator's error
             check_fits(self.artifact, self.recipe, *fixed, memory=s.memory)
@@ -251,7 +252,7 @@ class Daemon:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
-                               replay_in_chunks=slot.shard.passes_equal_steps)
+                               speculate=s.speculate_on, draft_max=s.draft_max)
         old, self.slot, self.throughput = self.slot, slot, slot.throughput
         return old
 
