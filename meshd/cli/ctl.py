@@ -187,9 +187,8 @@ def render_status(st: dict) -> str:
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
-             load_line(st)] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
+             load_line(st), draft_line(st.get("speculation"))] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
     lines += [f"addr      {a}" for a in st["addrs"]]
-    lines.append(draft_line(st.get("speculation")))
     lines.append(reach_line(st.get("reachability")))
     lines += relay_lines(st.get("relay"))
     lines += [f"http      {h}  (OpenAI API, /metrics)" for h in st.get("http") or []]
