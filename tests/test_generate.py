@@ -178,9 +178,9 @@ def test_a_hop_killed_mid_generation_is_routed_around():
 
 def test_a_reroute_late_in_a_long_generation_replays_in_chunks_and_keeps_the_text():
     """Killed after ~1000 characters (about 250 tokens) of a 500-token generation: the new route
-    replays the generated tokens as prefill-sized passes, which the block kernel computes bit for bit
-    as the decode steps were (before: one decode step per token, a pause that grew with the length;
-    59.2 s after ~240 tokens, issue 20)."""
+    replays the generated tokens as decode frames of prefill-sized chunks, whose every position each
+    hop computes bit for bit as the decode step it was (before: one decode step per token, a pause
+    that grew with the length; 59.2 s after ~240 tokens, issue 20)."""
     solo, text, code, err, pause, _ = disrupted_run(lambda p: p.kill(), PROMPTS[1], 500, after_chars=1000)
     assert code == 0, err
     stats = json.loads(err.strip().splitlines()[-1])
