@@ -177,16 +177,18 @@ def test_a_hop_killed_mid_generation_is_routed_around():
 
 
 def test_a_reroute_late_in_a_long_generation_replays_in_chunks_and_keeps_the_text():
-    """Killed after ~1000 characters (about 250 tokens) of a 500-token generation: the new route
-    replays the generated tokens as decode frames of prefill-sized chunks, whose every position each
-    hop computes bit for bit as the decode step it was (before: one decode step per token, a pause
-    that grew with the length; 59.2 s after ~240 tokens, issue 20)."""
-    solo, text, code, err, pause, _ = disrupted_run(lambda p: p.kill(), PROMPTS[1], 500, after_chars=1000)
+    """Killed about 500 tokens into a 700-token generation: the new route replays the generated
+    tokens as decode frames of prefill-sized chunks, whose every position each hop computes bit for
+    bit as the decode step it was (before: one decode step per token, a pause that grew with the
+    length; 59.2 s after ~240 tokens, issue 20, whose goal is under 2 s with 500 tokens generated)."""
+    solo, text, code, err, pause, _ = disrupted_run(lambda p: p.kill(), PROMPTS[1], 700, after_chars=1800)
     assert code == 0, err
     stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["reroutes"] >= 1 and stats["tokens"] == 500 and text == solo
-    print(f"hop killed ~250 tokens in: the client's longest pause {pause:.2f} s")
-    assert pause < 30  # measured below 2 s on a quiet 2-core box; generous for a loaded CI machine
+    assert stats["reroutes"] >= 1 and stats["tokens"] == 700 and text == solo
+    tok = load_tokenizer(open_artifact("smollm2"))
+    before = len(tok(solo[:1800], add_special_tokens=False).input_ids)  # about the tokens generated at the kill
+    print(f"hop killed ~{before} tokens in: the client's longest pause {pause:.2f} s")
+    assert pause < 30  # generous for a loaded CI machine; the figure is the printed one
 
 
 def test_a_frozen_hop_is_noticed_quickly_and_routed_around():
