@@ -173,16 +173,24 @@ class Attempt:
     async def advance(self, step, phase, position, ids, chunk=(0, 1)) -> Token | None:
         """Send one frame of token ids down the route; the tail's Token (None for a prefill chunk
         before the last). A VERIFY frame's Token says how many of its drafts (ids[1:]) it accepts."""
+        local = await self.submit(step, phase, position, ids, chunk)
+        if local is not None:
+            return local
+        if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
+            return None
+        return await self.next_reply(STEP_TIMEOUT)
+
+    async def submit(self, step, phase, position, ids, chunk=(0, 1)) -> Token | None:
+        """Run a frame through this daemon's layers and send it on without waiting for the answer;
+        the Token when the entry holds the whole model (else it comes from the tail later)."""
         out = await self.local(token_frame(self.sid, self.epoch, step, phase, position, ids, *chunk))
-        if isinstance(out, Token):  # the entry holds the whole model
+        if isinstance(out, Token):
             return out
         if out is not None:
             await self.send(*self.hops[0], out)
         elif self.linked:
             self.sent_on_link()
-        if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
-            return None
-        return await self.next_reply(STEP_TIMEOUT)
+        return None
 
     async def prefill(self, ids) -> int:
         spans = chunk_spans(len(ids))
@@ -198,13 +206,17 @@ class Attempt:
         sampling draws from the position, so it is the token the lost route would have given). They
         go as decode frames of prefill-sized chunks, whose positions every hop computes as the decode
         steps they first were (`Phase.DECODE`), so the pause does not grow with the text so far."""
-        token = None
-        for a, b in chunk_spans(len(tokens)):
-            token = await self.step(a + 1, Phase.DECODE, position + a, list(tokens[a:b]))
-            if b < len(tokens) and token != tokens[b]:
-                log.warning("replay diverged from the first route", position=position + b)
-        assert token is not None
-        return token
+        spans = chunk_spans(len(tokens))
+        outs = []  # the token after each chunk; all chunks are sent at once (they pipeline down the route)
+        for a, b in spans:
+            local = await self.submit(a + 1, Phase.DECODE, position + a, list(tokens[a:b]))
+            if local is not None:
+                outs.append(local.token_id)
+        while len(outs) < len(spans):
+            outs.append(await self.next_token(STEP_TIMEOUT))
+        if outs[:-1] != [tokens[b] for _, b in spans[:-1]]:
+            log.warning("replay diverged from the first route", positions=len(tokens))
+        return outs[-1]
 
     async def next_token(self, timeout: float) -> int:
         return (await self.next_reply(timeout)).token_id
