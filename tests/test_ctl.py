@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from meshd.cli.ctl import load_line
+from meshd.cli.ctl import draft_line, load_line
 
 
 def test_meshctl_imports_no_event_loop_no_libp2p_no_torch():
@@ -26,3 +26,10 @@ def test_the_load_line_shows_an_entrys_generations_per_microbatch():
     assert line.startswith("load      3 frames queued, batches of 2.5 on average (largest 4, 10 passes)")
     assert line.endswith("1 refused busy, limit 64 sessions, generations per microbatch 4/3")
     assert load_line({**st, "microbatches": []}).endswith("limit 64 sessions")
+
+
+def test_the_drafts_line_shows_the_setting_and_how_many_drafts_stood():
+    line = draft_line({"mode": "auto", "draft_max": 8, "drafted": 40, "accepted": 30})
+    assert line == "drafts    speculate auto (at most 8 a step): 40 sent, 30 accepted (75%)"
+    assert draft_line({"mode": "off", "draft_max": 8, "drafted": 0, "accepted": 0}).endswith("0 sent, 0 accepted")
+    assert draft_line(None) == "drafts    unknown"

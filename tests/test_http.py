@@ -67,6 +67,25 @@ def test_chat_completion_equals_meshctl_and_streams_the_same_text(mesh):
     assert after['meshd_stream_bytes_total{"direction": "sent", "protocol": "/meshd/shard/1.0.0"}'] > 0
 
 
+def test_speculate_false_in_the_body_asks_for_plain_decoding_and_metrics_count_drafts(mesh):
+    m, a, b, c = mesh
+    quote = "Repeat exactly: one two three four five six seven eight nine ten.\nRepeated: one two"
+    api = client(a)
+    texts, drafted = [], []
+    for extra in ({"speculate": False}, {}):
+        before = metrics(a)
+        out = api.completions.create(model=a.status()["model"], prompt=quote, max_tokens=24, temperature=0,
+                                     extra_body=extra)
+        after = metrics(a)
+        texts.append(out.choices[0].text)
+        drafted.append(after["meshd_draft_tokens_total{}"] - before["meshd_draft_tokens_total{}"])
+        assert after["meshd_draft_accepted_total{}"] - before["meshd_draft_accepted_total{}"] <= drafted[-1]
+    assert texts[0] == texts[1]  # the same text, with or without drafts
+    assert drafted[0] == 0 and drafted[1] > 0
+    r = httpx.post(a.status()["http"][0] + "/v1/completions", json={"prompt": "x", "speculate": 1}, timeout=30)
+    assert r.status_code == 400 and "speculate" in r.text
+
+
 def test_a_daemon_without_layer_0_serves_too_behind_its_token(mesh):
     m, a, b, c = mesh
     with pytest.raises(openai.AuthenticationError):

@@ -54,7 +54,7 @@ def test_ledger_records_each_outcome_at_the_entry_and_the_hops(mesh):
     d0, d1, d2 = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--busy-wait", "3"])
     ids = [d.status()["peer_id"] for d in (d0, d1, d2)]
 
-    out = ctl(d0.socket, ["generate", "--max-tokens", "12", "--ignore-eos", "--stats", PROMPT])
+    out = ctl(d0.socket, ["generate", "--max-tokens", "12", "--ignore-eos", "--stats", "--no-speculate", PROMPT])
     assert out.returncode == 0, out.stderr
     positions = json.loads(out.stderr.strip().splitlines()[-1])["prompt_tokens"] + 12 - 1
     entry = wait_ledger(d0, lambda t: t["generations"]["completed"] == 1, "the completed generation")

@@ -50,6 +50,19 @@ def test_prefill_rides_along_with_decodes_under_the_budget():
     assert [w.key for w in prefills] == [("pre", 0), ("pre", 1)]  # 256 rows of chunks, in arrival order
 
 
+def test_a_speculative_step_rides_with_the_decodes_and_its_drafts_count_against_the_budget():
+    """A step of k + 1 rows is a decode piece: never held back behind prefill, and never holding
+    another session's decode back; its k extra rows leave less room for prefill chunks."""
+    s = Scheduler(token_budget=256, max_batch=64)
+    s.submit("plain", 1, True)
+    s.submit("spec", 9, True)
+    for k in range(2):
+        s.submit(("pre", k), 128, False)
+    batch = s.schedule()
+    assert {w.key for w in batch} == {"plain", "spec", ("pre", 0)}  # 256 - 8 rows: one chunk fits, not two
+    assert s.stats.rows == 1 + 9 + 128
+
+
 def test_one_prefill_chunk_always_gets_in():
     s = Scheduler(token_budget=16, max_batch=4)
     s.submit("long", 128, False)

@@ -85,3 +85,18 @@ def test_the_example_config_parses_with_every_commented_setting_switched_on(tmp_
     cfg.write_text(on)
     s = load_settings({}, str(cfg), environ={})
     assert s.relay == "auto" and s.relays == 2 and s.hole_punch == 1 and s.relay_limits().circuit_bytes == 1024 << 20
+
+
+def test_speculation_settings_from_flag_environment_and_file(tmp_path):
+    assert load_settings({}, environ={}).speculate_on  # the default: auto, at most 8 drafts
+    off = load_settings({}, environ={"MESHD_SPECULATE": "off"})
+    assert off.speculate == "off" and not off.speculate_on
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('draft_max = 3\nspeculate = "off"\n')
+    s = load_settings({"speculate": "auto"}, str(cfg), environ={})
+    assert s.speculate_on and s.draft_max == 3
+    assert not load_settings({"draft_max": 0}, environ={}).speculate_on  # no drafts: plain decoding
+    with pytest.raises(ValueError, match="--speculate"):
+        load_settings({}, environ={"MESHD_SPECULATE": "sometimes"}).speculate_on
+    with pytest.raises(ValueError, match="--draft-max"):
+        load_settings({"draft_max": -2}, environ={}).speculate_on

@@ -29,6 +29,8 @@ class Metrics:
         self.failed = Counter("meshd_generations_failed", "Generations that failed, by reason", ["reason"],
                               registry=r)
         self.tokens = Counter("meshd_tokens_generated", "Tokens generated", registry=r)
+        self.drafted = Counter("meshd_draft_tokens", "Draft tokens sent down a route (speculation)", registry=r)
+        self.accepted = Counter("meshd_draft_accepted", "Draft tokens the tail accepted", registry=r)
         self.ttft = Histogram("meshd_time_to_first_token_seconds", "Time to the first streamed text",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.token_latency = Histogram("meshd_token_latency_seconds", "Time between streamed tokens",
@@ -41,6 +43,12 @@ class Metrics:
         self.reroutes = Counter("meshd_reroutes", "Generations moved to a new route", registry=r)
         self.recent = RecentGenerations()  # timings and routes of the last generations, for the dashboard
         r.register(_Live(daemon))
+
+    def drafts(self) -> dict:
+        """Draft tokens sent and accepted in the generations asked of this daemon (status shows them)."""
+        value = self.registry.get_sample_value
+        return {"drafted": int(value("meshd_draft_tokens_total") or 0),
+                "accepted": int(value("meshd_draft_accepted_total") or 0)}
 
     def observe_pass(self, seconds: float, sessions: int) -> None:
         self.step.observe(seconds)
@@ -79,6 +87,8 @@ class Metrics:
         self.recent.record(stats, "ok", first, time.perf_counter() - t0)
         self.finished.inc()
         self.tokens.inc(stats.get("tokens", 0))
+        self.drafted.inc(stats.get("drafted", 0))
+        self.accepted.inc(stats.get("accepted", 0))
         self.reroutes.inc(stats.get("reroutes", 0))
         self.hop_failures.inc(stats.get("reroutes", 0))
         return stats

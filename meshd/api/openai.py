@@ -71,6 +71,10 @@ def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: 
         params["max_tokens"] = _number(body, "max_completion_tokens", 256, 1, context, int)
     if params["top_p"] == 0.0:
         raise BadRequest("'top_p' must be above 0")
+    speculate = body.get("speculate", True)  # meshd's own field: false asks for plain decoding
+    if not isinstance(speculate, bool):
+        raise BadRequest("'speculate' must be true or false")
+    params["speculate"] = speculate
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -2,7 +2,7 @@
 
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-            [--seed S] [--chat] [--stats] [--ignore-eos] PROMPT
+            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] PROMPT
     meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
     meshctl [--socket PATH] drain [--exit]
     meshctl [--socket PATH] ledger [--json] [--since DATE] [--peer ID]
@@ -125,6 +125,16 @@ def load_line(st: dict) -> str:
             f" {st.get('busy_refusals', 0)} refused busy, limit {st.get('max_sessions', '-')} sessions{spread}")
 
 
+def draft_line(spec: dict | None) -> str:
+    """Speculation: the entry's setting, and how many draft tokens went down routes and stood."""
+    if not spec:
+        return "drafts    unknown"
+    sent, kept = spec.get("drafted", 0), spec.get("accepted", 0)
+    rate = f" ({100 * kept / sent:.0f}%)" if sent else ""
+    return (f"drafts    speculate {spec.get('mode', '-')} (at most {spec.get('draft_max', '-')} a step):"
+            f" {sent} sent, {kept} accepted{rate}")
+
+
 def reach_line(reach: dict | None) -> str:
     """Whether peers could dial this node back, and what they saw."""
     if not reach or reach["status"] == "unknown":
@@ -179,7 +189,7 @@ def render_status(st: dict) -> str:
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
-             load_line(st)] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
+             load_line(st), draft_line(st.get("speculation"))] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(reach_line(st.get("reachability")))
     lines += relay_lines(st.get("relay"))
@@ -229,7 +239,7 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
 def generate(path: Path, args) -> int:
     req = GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, ignore_eos=args.ignore_eos)
+                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate)
     code, stats, _ = stream_answer(path, req, args.timeout)
     if code == 0:
         sys.stdout.write("\n")
@@ -348,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stats", action="store_true", help="last stderr line: JSON timing and route")
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-text")
+    g.add_argument("--no-speculate", action="store_true", help="plain decoding: no draft tokens for this request"
+                   " (the text is the same; speculation only changes how many tokens a trip returns)")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
     dr = sub.add_parser("drain", help="stop taking sessions and wait until running generations finish")
     dr.add_argument("--exit", action="store_true", help="then stop the daemon (as SIGTERM does)")

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--microbatches", type=int, help="groups of generations this entry keeps in separate forward"
                       " passes on every hop, so that a daemon has a pass to run while another group is elsewhere on"
                       " the route (default 2, at most one per daemon on the route; 0: one per daemon on the route)")
+    join.add_argument("--speculate", choices=["auto", "off"], help="as an entry: send draft tokens (prompt lookup)"
+                      " with each step, verified in one pass down the route, so a trip can return several tokens;"
+                      " the text is the same (default auto: drafts where they keep being accepted)")
+    join.add_argument("--draft-max", type=int, help="as an entry: draft tokens a step carries at most (default 8)")
     join.add_argument("--relay", choices=["auto", "on", "off"], help="offer circuit relay to daemons that cannot"
                       " be dialled: auto (default: while this daemon is publicly reachable), on, off")
     join.add_argument("--relays", type=int, help="relays this daemon reserves at when it cannot be dialled (default 2;"

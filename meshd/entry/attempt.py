@@ -1,5 +1,5 @@
 """One try at a generation over one route: the hops, the frames each holds unanswered, their
-liveness, and the steps (prefill, decode, replay) the entry drives through them.
+liveness, and the steps (prefill, decode, verification of drafts, replay) the entry drives through them.
 
 Rules: one `Attempt` per generation and route, never shared, so concurrent generations cannot blame
 each other's hops or mix their stats. Every wait has a deadline: a hop silent for SILENT_S (no frame,
@@ -25,7 +25,6 @@ from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Message, Phase, Tok
 
 OPEN_TIMEOUT = 30.0
 STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
-REPLAY_WINDOW = 8  # decode steps in flight while replaying after a reroute
 HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
 SILENT_S = 1.5  # a hop that answers nothing (no ping, no frame) for this long is failed: a frozen hop
 # costs the client under 2.5 s, with a margin for event loops slowed by a loaded machine
@@ -51,10 +50,8 @@ class Attempt:
     deadlines and the time it spends. Rule: one per generation and route, never shared, so
     concurrent generations cannot blame each other's hops or mix their stats."""
 
-    def __init__(self, service, generation: Generation, sid: bytes, epoch: int, replay_in_chunks: bool = False
-                 ) -> None:
+    def __init__(self, service, generation: Generation, sid: bytes, epoch: int) -> None:
         self.service, self.generation, self.sid, self.epoch = service, generation, sid, epoch
-        self.replay_in_chunks = replay_in_chunks  # see `replay`
         self.hops: list[tuple[str, Channel]] = []
         self.forwards: list[bool] = []  # per hop: it sends its output to the next hop itself
         self.pending: dict[str, int] = {}  # frames a hop holds or will hold, not yet answered
@@ -170,16 +167,30 @@ class Attempt:
         return replies[0] if replies else None
 
     async def step(self, step, phase, position, ids, chunk=(0, 1)) -> int | None:
+        reply = await self.advance(step, phase, position, ids, chunk)
+        return None if reply is None else reply.token_id
+
+    async def advance(self, step, phase, position, ids, chunk=(0, 1)) -> Token | None:
+        """Send one frame of token ids down the route; the tail's Token (None for a prefill chunk
+        before the last). A VERIFY frame's Token says how many of its drafts (ids[1:]) it accepts."""
+        local = await self.submit(step, phase, position, ids, chunk)
+        if local is not None:
+            return local
+        if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
+            return None
+        return await self.next_reply(STEP_TIMEOUT)
+
+    async def submit(self, step, phase, position, ids, chunk=(0, 1)) -> Token | None:
+        """Run a frame through this daemon's layers and send it on without waiting for the answer;
+        the Token when the entry holds the whole model (else it comes from the tail later)."""
         out = await self.local(token_frame(self.sid, self.epoch, step, phase, position, ids, *chunk))
         if isinstance(out, Token):
-            return out.token_id
+            return out
         if out is not None:
             await self.send(*self.hops[0], out)
         elif self.linked:
             self.sent_on_link()
-        if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
-            return None
-        return await self.next_token(STEP_TIMEOUT)
+        return None
 
     async def prefill(self, ids) -> int:
         spans = chunk_spans(len(ids))
@@ -192,40 +203,26 @@ class Attempt:
     async def replay(self, tokens, position) -> int:
         """Run the tokens generated before a reroute through the new route so that every hop computes
         bit for bit what the lost route computed, and return the token after the last one (seeded
-        sampling draws from the position, so it is the token the lost route would have given).
-        Where a pass of many positions rounds like one-position steps (the block kernel: the route
-        shares this daemon's model and recipe, so its hops compute as this shard does), the tokens go
-        as prefill-sized chunks; elsewhere (torch's attention rounds differently for many queries
-        than for one) as the decode steps they first were, REPLAY_WINDOW in flight."""
-        if self.replay_in_chunks:
-            spans = chunk_spans(len(tokens))
-            token = None
-            for ci, (a, b) in enumerate(spans):
-                token = await self.step(a + 1, Phase.PREFILL, position + a, list(tokens[a:b]), (ci, len(spans)))
-            assert token is not None
-            return token
-        outs: list[int] = []
-        sent = 0
-        for i, t in enumerate(tokens):
-            out = await self.local(token_frame(self.sid, self.epoch, i + 1, Phase.DECODE, position + i, [t], 0, 1))
-            if isinstance(out, Token):  # the entry holds the whole model
-                outs.append(out.token_id)
-                continue
-            if out is None and self.linked:
-                self.sent_on_link()
-            else:
-                await self.send(*self.hops[0], out)
-            sent += 1
-            while sent - len(outs) >= REPLAY_WINDOW:
-                outs.append(await self.next_token(STEP_TIMEOUT))
-        while len(outs) < len(tokens):
+        sampling draws from the position, so it is the token the lost route would have given). They
+        go as decode frames of prefill-sized chunks, whose positions every hop computes as the decode
+        steps they first were (`Phase.DECODE`), so the pause does not grow with the text so far."""
+        spans = chunk_spans(len(tokens))
+        outs = []  # the token after each chunk; all chunks are sent at once (they pipeline down the route)
+        for a, b in spans:
+            local = await self.submit(a + 1, Phase.DECODE, position + a, list(tokens[a:b]))
+            if local is not None:
+                outs.append(local.token_id)
+        while len(outs) < len(spans):
             outs.append(await self.next_token(STEP_TIMEOUT))
-        if outs[:-1] != list(tokens[1:]):
+        if outs[:-1] != [tokens[b] for _, b in spans[:-1]]:
             log.warning("replay diverged from the first route", positions=len(tokens))
         return outs[-1]
 
     async def next_token(self, timeout: float) -> int:
-        """The next token from the tail. A hop silent for SILENT_S is failed at once; hops that echo
+        return (await self.next_reply(timeout)).token_id
+
+    async def next_reply(self, timeout: float) -> Token:
+        """The tail's next Token. A hop silent for SILENT_S is failed at once; hops that echo
         their pings are given up to `timeout`, however slowly they compute."""
         t0 = time.perf_counter()
         deadline = trio.current_time() + timeout
@@ -235,7 +232,7 @@ class Attempt:
                     msg = await self.tokens_recv.receive()
                     if isinstance(msg, Error):  # the link to the first hop broke
                         raise hop_error(self.hops[0][0], msg, retriable=True)
-                    return msg.token_id
+                    return msg
                 silent = self.silent_hop() if self.hops else None
                 if silent is not None:
                     raise HopFailed(silent, f"silent for {trio.current_time() - self.heard[silent]:.1f} s")

@@ -24,6 +24,7 @@ from typing import Awaitable, Callable
 import trio
 
 from meshd.entry.attempt import OPEN_TIMEOUT, Attempt
+from meshd.entry.drafts import DRAFT_MAX, Drafts
 from meshd.entry.errors import GenerationError, HopFailed, first_of, hop_error, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.policy import BUSY_WAIT_S, Retries
@@ -46,7 +47,7 @@ class Entry:
 
     def __init__(self, service, tokenizer, config, model_fp: str, recipe_fp: str, mesh, open_stream, *,
                  end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True, microbatches: int = 2,
-                 replay_in_chunks: bool = False, ledger=None) -> None:
+                 speculate: bool = True, draft_max: int = DRAFT_MAX, ledger=None) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.model_fp, self.recipe_fp = model_fp, recipe_fp
         self.mesh, self.open_stream, self.end = mesh, open_stream, end
@@ -54,7 +55,8 @@ class Entry:
         self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
         self.microbatches = microbatches  # spread generations over so many, at most one per daemon on the route
         # (0: exactly one per daemon on the route)
-        self.replay_in_chunks = replay_in_chunks  # this shard's passes of many positions round like steps
+        self.speculate, self.draft_max = speculate, draft_max  # drafts (prompt lookup), at most so many a step
+        self.drafted = self.accepted = 0  # draft tokens sent and accepted, all generations (status, metrics)
         self.microbatch_use = Microbatches()
         self.ledger = ledger  # the daemon's work ledger (meshd/node/ledger.py), when it keeps one
 
@@ -67,7 +69,10 @@ class Entry:
         except (ValueError, TypeError, KeyError) as exc:  # a bad conversation, no chat template, bad sampling
             raise GenerationError(ErrorCode.BAD_FRAME, f"bad request (prompt, conversation or sampling): {exc}") from None
         stop = stop_ids(self.config, self.tokenizer, req.ignore_eos)
-        return Generation.start(ids, req.max_tokens, self.config.max_positions, stop), sampling
+        gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop)
+        if self.speculate and req.speculate and self.draft_max > 0:
+            gen.drafts = Drafts(self.draft_max)
+        return gen, sampling
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         gen, sampling = self.start(req)
@@ -103,6 +108,8 @@ class Entry:
             except GenerationError as exc:
                 await trio.sleep(retries.after_refusal(exc, trio.current_time()))  # raises past the deadline
         stats = gen.stats()
+        self.drafted += gen.drafted
+        self.accepted += gen.accepted_drafts
         log.info("generation done", tokens=stats["tokens"], prompt_tokens=len(gen.ids), reroutes=gen.reroutes,
                  seconds=round(time.perf_counter() - gen.started_at, 3))
         return {**stats, "route": gen.route, "reroutes": gen.reroutes,
@@ -125,7 +132,7 @@ class Entry:
         route = self.plan(retries.failed, retries.busy)
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
         sid = os.urandom(16)
-        at = Attempt(self.service, gen, sid, epoch, self.replay_in_chunks)
+        at = Attempt(self.service, gen, sid, epoch)
         daemons = len(route.hops) + 1
         microbatch = self.microbatch_use.take(min(self.microbatches, daemons) if self.microbatches else daemons)
         try:
@@ -143,20 +150,9 @@ class Entry:
                 if at.hops:
                     nursery.start_soon(at.keepalive)
                 token = await at.prefill(gen.ids)
-                position = len(gen.ids)
                 if gen.tokens:  # a replay after rerouting feeds back what was generated
-                    token = await at.replay(gen.tokens, position)
-                    position += len(gen.tokens)
-                while not gen.done:
-                    if gen.accept(token):
-                        await self._emit(req, gen, text, token, emit)
-                        break
-                    # the next step is under way (submitted to this daemon's pass) before the client
-                    # is sent this token's text: writing to the client no longer delays every pass here
-                    async with trio.open_nursery() as overlap:
-                        overlap.start_soon(self._emit, req, gen, text, token, emit)
-                        token = await at.step(len(gen.tokens), Phase.DECODE, position, [token])
-                    position += 1
+                    token = await at.replay(gen.tokens, len(gen.ids))
+                await self._decode(at, req, gen, text, [token], emit)
                 nursery.cancel_scope.cancel()
         finally:
             self.microbatch_use.give(microbatch)
@@ -169,6 +165,36 @@ class Entry:
                         except ChannelClosed:
                             pass
                         await channel.aclose()
+
+    async def _decode(self, at: Attempt, req, gen: Generation, text, tokens: list[int], emit) -> None:
+        """Take the tokens the route gives until the generation is done: each step sends the last
+        accepted token and the drafts proposed after it (none without speculation) at its position,
+        and the tail answers with the drafts it accepts and the token after them."""
+        while not gen.done:
+            taken = []
+            for token in tokens:
+                taken.append(token)
+                if gen.accept(token):
+                    for t in taken:
+                        await self._emit(req, gen, text, t, emit)
+                    return
+            drafts = gen.propose()
+            position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
+            # the next step is under way (submitted to this daemon's pass) before the client is
+            # sent these tokens' text: writing to the client does not delay every pass here
+            async with trio.open_nursery() as overlap:
+                overlap.start_soon(self._emit_all, req, gen, text, taken, emit)
+                reply = await at.advance(len(gen.tokens), Phase.VERIFY if drafts else Phase.DECODE, position,
+                                         [taken[-1], *drafts])
+            if drafts:
+                gen.verified(len(drafts), reply.accepted)
+            tokens = [*drafts[:reply.accepted], reply.token_id]
+
+    async def _emit_all(self, req, gen: Generation, text, tokens: list[int], emit) -> None:
+        """The tokens' text, in order, all of it (they count as generated: see `_emit`)."""
+        with trio.CancelScope(shield=True):
+            for token in tokens:
+                await self._emit(req, gen, text, token, emit)
 
     @staticmethod
     async def _emit(req, gen: Generation, text, token: int, emit) -> None:

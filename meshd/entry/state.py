@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from meshd.entry.drafts import Drafts
 from meshd.entry.errors import GenerationError
 from meshd.shard.sampler import SamplingParams
 from meshd.wire import ErrorCode, OpenSession
@@ -37,6 +38,9 @@ class Generation:
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
     emitted: bool = False  # some text has reached the client
+    drafts: Drafts | None = None  # speculation: where the drafts come from (None: plain decoding)
+    drafted: int = 0  # draft tokens sent down the route
+    accepted_drafts: int = 0  # of those, accepted by the tail
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset()
@@ -63,8 +67,10 @@ class Generation:
 
     def work(self) -> list[tuple[list, int]]:
         """Each route taken and the positions it computed: the prompt and the tokens fed back up to
-        where the next route took over (the last token of all is sampled, never fed)."""
-        ends = [began for _, began in self.attempts[1:]] + [max(0, len(self.tokens) - 1)]
+        where the next route took over (the last token of all is sampled, never fed); the drafts
+        the tail rejected were computed too (counted on the last route)."""
+        ends = [began for _, began in self.attempts[1:]] + [max(0, len(self.tokens) - 1)
+                                                            + self.drafted - self.accepted_drafts]
         return [(route, len(self.ids) + end) for (route, _), end in zip(self.attempts, ends)]
 
     def accept(self, token: int) -> bool:
@@ -74,13 +80,27 @@ class Generation:
         self.tokens.append(token)
         return self.done
 
+    def propose(self) -> list[int]:
+        """Drafts for the step after the last accepted token ([] for plain decoding)."""
+        if self.drafts is None or not self.tokens:
+            return []
+        return self.drafts.propose(self.ids + self.tokens, self.max_tokens - len(self.tokens) - 1)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The tail accepted `accepted` of a step's `drafted` drafts."""
+        self.drafted += drafted
+        self.accepted_drafts += accepted
+        if self.drafts is not None:
+            self.drafts.after(drafted, accepted)
+
     def stats(self, end: float | None = None) -> dict:
         """What the client is told when the generation is done."""
         end = time.perf_counter() if end is None else end
         n = len(self.tokens)
         first = self.first_token_at or end
         return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
-                "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None}
+                "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
+                "drafted": self.drafted, "accepted": self.accepted_drafts}
 
 
 def open_session(request_id: int, session_id: bytes, epoch: int, start: int, end: int, model_fp: str,

@@ -17,12 +17,13 @@ import torch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
 from meshd.hop.sessions import HopSession, SessionTable
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
-from meshd.shard.runtime import Shard
+from meshd.shard.runtime import PASS, SCORE, STEPS, Shard
 from meshd.shard.sampler import Sampler, SamplingParams
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Tensor,
                         Token)
 
-TOKENS, HIDDEN = "tokens", "hidden"
+TOKENS, HIDDEN, DRAFTS = "tokens", "hidden", "drafts"
+KIND = {Phase.PREFILL: PASS, Phase.DECODE: STEPS, Phase.VERIFY: SCORE}  # how a frame's positions are computed
 
 
 MAX_SESSIONS = 64
@@ -136,7 +137,7 @@ class ShardEndpoint:
                 where.append(i)
             except (CacheMiss, ValueError, TypeError) as exc:
                 replies[i] = self._failed(msg, exc)
-        for i, (_, x, position), out in zip(where, jobs, self.shard.forward_batch(jobs) if jobs else []):
+        for i, (_, x, position, _), out in zip(where, jobs, self.shard.forward_batch(jobs) if jobs else []):
             if isinstance(out, Exception):  # answered without raising it: a raised one would hold this frame
                 replies[i] = self._failed(msgs[i], out)
                 continue
@@ -155,7 +156,25 @@ class ShardEndpoint:
         tensor = next((t for t in msg.tensors if t.name == want), None)
         if tensor is None:
             raise ValueError(f"forward frame lacks the {want!r} tensor")
-        return key, tensor.to_torch(), msg.position
+        x = tensor.to_torch()
+        if msg.phase == Phase.VERIFY:
+            self._drafts(msg, x, state.head)  # refused here, before the pass, when they do not fit
+        return key, x, msg.position, KIND.get(msg.phase, PASS)
+
+    @staticmethod
+    def _drafts(msg: Forward, x, head: bool) -> torch.Tensor:
+        """A VERIFY frame's drafts, int64 [1, n - 1]: after the head's first token id, or the
+        `drafts` tensor that travels with the hidden states."""
+        if head:
+            return x[:, 1:]
+        t = next((t for t in msg.tensors if t.name == DRAFTS), None)
+        if t is None:
+            raise ValueError("a verify frame lacks the 'drafts' tensor")
+        drafts = t.to_torch()
+        if drafts.dtype not in (torch.int32, torch.int64) or tuple(drafts.shape) != (1, x.shape[1] - 1):
+            raise ValueError(f"a verify frame of {x.shape[1]} positions needs drafts int [1, {x.shape[1] - 1}],"
+                             f" not {drafts.dtype} {tuple(drafts.shape)}")
+        return drafts.long()
 
     def _failed(self, msg: Message, exc: Exception) -> list[Message]:
         if isinstance(exc, KVBudgetExceeded):
@@ -169,15 +188,28 @@ class ShardEndpoint:
     def _reply(self, msg: Forward, out, next_position: int) -> list[Message]:
         state = self.sessions[(msg.session_id, msg.epoch)]
         state.positions += next_position - msg.position
+        drafts = None
+        if msg.phase == Phase.VERIFY:
+            x = next(t for t in msg.tensors if t.name == (TOKENS if state.head else HIDDEN)).to_torch()
+            drafts = self._drafts(msg, x, state.head)
         if state.sampler is None:
-            hidden = Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire))
+            tensors = (Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire)),)
+            if drafts is not None:
+                tensors += (Tensor.from_torch(DRAFTS, drafts),)
             return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,
                             position=msg.position, chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
-                            tensors=(hidden,))]
+                            tensors=tensors)]
         if msg.phase == Phase.PREFILL and msg.chunk_index != msg.chunk_total - 1:
             return []
-        token, logprob = state.sampler.sample(out, position=next_position)
-        return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob)]
+        accepted = 0
+        if drafts is None:
+            token, logprob = state.sampler.sample(out, position=next_position)
+        else:
+            accepted, token, logprob = state.sampler.verify(out, drafts[0].tolist(), msg.position + 1)
+            # the rejected drafts' positions leave this hop's KV at once (the others' with the next frame)
+            self.shard.trim((msg.session_id, msg.epoch), msg.position + accepted + 1)
+        return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob,
+                      accepted=accepted)]
 
 
 def token_frame(session_id: bytes, epoch: int, step: int, phase: Phase, position: int, ids: list[int],

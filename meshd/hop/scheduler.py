@@ -1,9 +1,10 @@
 """Which sessions' work goes into a shard's next forward pass: pure bookkeeping, no tensors, no I/O.
 
 Rules: each session's work runs in the order it arrived, one piece a pass (its next piece needs the
-KV the previous one writes). A pass takes the waiting decode steps of all sessions first (one row
-each, up to `max_batch`), then prefill chunks in arrival order while they fit in `token_budget`
-rows, so a long prompt rides along with everybody's decode instead of stalling it; one prefill
+KV the previous one writes). A pass takes the waiting decode steps of all sessions first (up to
+`max_batch`; a speculative step or a replay is one piece of several rows, and its rows past the
+first come out of `token_budget`), then prefill chunks in arrival order while they fit in the rows
+left, so a long prompt rides along with everybody's decode instead of stalling it; one prefill
 chunk always gets in, so prompts progress under any decode load. Past `max_queued` pieces waiting,
 new work is refused at once (`QueueFull`) rather than queued without bound.
 
@@ -91,7 +92,7 @@ class Scheduler:
             microbatch = heads[0].microbatch
             heads = [w for w in heads if w.microbatch == microbatch]
         batch = [w for w in heads if w.decode][:self.max_batch]
-        budget = self.token_budget
+        budget = self.token_budget - sum(w.rows - 1 for w in batch)  # a step's drafts count as rows
         prefilling = False
         for w in heads:
             if w.decode or len(batch) >= self.max_batch:

@@ -168,7 +168,8 @@ class ShardService:
         self._arrived.set()
         try:
             state = self.endpoint.sessions.get(key)  # its microbatch: only frames of one microbatch share a pass
-            return self.scheduler.submit(key, rows, msg.phase == Phase.DECODE, msg, state.microbatch if state else 0)
+            decode = msg.phase in (Phase.DECODE, Phase.VERIFY)  # a step of chosen tokens (one, a replay's, or drafts)
+            return self.scheduler.submit(key, rows, decode, msg, state.microbatch if state else 0)
         except QueueFull as exc:
             return Error(code=ErrorCode.BUSY, message=str(exc), retriable=True, session_id=msg.session_id,
                          retry_after_s=self.stats.retry_hint(self.scheduler.queued, self.scheduler.max_batch))

@@ -86,6 +86,7 @@ class Daemon:
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
         cfg = self.artifact.config
+        s.speculate_on  # noqa: B018 -- a bad --speculate or --draft-max is refused before joining
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
@@ -241,7 +242,7 @@ class Daemon:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
-                               replay_in_chunks=slot.shard.passes_equal_steps, ledger=self.ledger)
+                               speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger)
         old, self.slot, self.throughput = self.slot, slot, slot.throughput
         return old
 

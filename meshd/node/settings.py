@@ -61,6 +61,8 @@ class Settings:
     forwarding: int = 1  # 1: hops pass hidden states to the next hop; 0: the entry relays every hop's output
     microbatches: int = 2  # groups of generations an entry keeps in separate passes, at most one per daemon
     # on the route (0: exactly one per daemon on the route)
+    speculate: str = "auto"  # as an entry: drafts with each step (auto) or plain decoding (off)
+    draft_max: int = 8  # as an entry: drafts a step carries at most
     relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
     relays: int = 2  # relays a daemon that cannot be dialled reserves at (0: none)
     relay_reservations: int = 32  # as a relay: daemons holding a reservation at once
@@ -123,6 +125,14 @@ class Settings:
             raise ValueError(f"--peer-share must be in (0, 1], not {self.peer_share}")
         return Intake(ByteBudget(self.frame_budget_mb << 20, self.peer_frame_mb << 20), self.streams_per_peer,
                       self.frame_timeout, self.stream_idle, self.peer_share)
+
+    @property
+    def speculate_on(self) -> bool:
+        if self.speculate not in ("auto", "off"):
+            raise ValueError(f"--speculate must be auto or off, not {self.speculate!r}")
+        if self.draft_max < 0:
+            raise ValueError(f"--draft-max must be 0 or more, not {self.draft_max}")
+        return self.speculate == "auto" and self.draft_max > 0
 
     def relay_limits(self):
         from meshd.relay.policy import RelayLimits

@@ -48,6 +48,7 @@ def daemon_status(d) -> dict:
         "busy_refusals": service.endpoint.refused + service.scheduler.stats.refused if service else 0,
         "max_sessions": d.settings.max_sessions,
         "microbatches": slot.entry.microbatch_use.counts() if slot and slot.entry else [],
+        "speculation": {"mode": d.settings.speculate, "draft_max": d.settings.draft_max, **d.metrics.drafts()},
         "compute_busy_s": round(d.compute.busy_s, 3),
         "recent_generations": d.metrics.recent.entries(),  # timings and routes, never text
         "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,

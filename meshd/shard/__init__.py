@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "open_artifact": "artifact", "Artifact": "artifact", "ArtifactError": "artifact",
     "ModelConfig": "config", "UnsupportedArchitecture": "config",
-    "Shard": "runtime", "Owns": "runtime",
+    "Shard": "runtime", "Owns": "runtime", "PASS": "runtime", "STEPS": "runtime", "SCORE": "runtime",
     "Recipe": "recipe", "EXACT": "recipe", "NATIVE": "recipe", "COMPACT": "recipe", "get_recipe": "recipe",
     "CacheMiss": "kv", "KVBudgetExceeded": "kv",
     "UnsupportedQuantization": "quant",

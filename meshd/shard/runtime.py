@@ -42,6 +42,8 @@ def plain_error(exc: Exception) -> Exception:
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3}
 DEFAULT_KV_BUDGET = 1 << 30
+PASS, STEPS, SCORE = "pass", "steps", "score"  # kinds of job of `Shard.forward_batch`
+KINDS = (PASS, STEPS, SCORE)
 log = get_logger(__name__)
 
 
@@ -176,13 +178,14 @@ class Shard:
             self._ranges.pop(key, None)
         return evicted
 
-    def forward(self, key: Hashable, x: torch.Tensor, position: int) -> torch.Tensor:
+    def forward(self, key: Hashable, x: torch.Tensor, position: int, kind: str = PASS) -> torch.Tensor:
         """Run this shard's layers for one session on positions [position, position + n).
 
         x: token ids [1, n] for the head, hidden states [1, n, hidden] otherwise. Returns hidden
-        states [1, n, hidden], or for the tail the logits of the last position [vocab] (float32).
+        states [1, n, hidden], or for the tail the logits of the last position [vocab] (float32);
+        `kind` as `forward_batch` takes it.
         """
-        out = self.forward_batch([(key, x, position)])[0]
+        out = self.forward_batch([(key, x, position, kind)])[0]
         if isinstance(out, Exception):
             raise out
         return out
@@ -195,18 +198,23 @@ class Shard:
             raise ValueError(f"a decode step carries one position, got {x.shape[1]}")
         return self.forward(key, x, position)
 
-    def forward_batch(self, jobs: list[tuple[Hashable, torch.Tensor, int]]) -> list[torch.Tensor | Exception]:
-        """`forward` for several sessions in one pass: (key, x, position) each, at most one job a
-        session. Their rows go through the layers stacked (see `rows.Rows`), so each result is
-        bit for bit what the session gets alone. A job that cannot run (unknown session, bad
-        input, KV budget full) gets its exception in its place (a `plain_error`: refused work holds no
-        memory once its reply is out); the others run."""
+    def forward_batch(self, jobs: list[tuple]) -> list[torch.Tensor | Exception]:
+        """`forward` for several sessions in one pass: (key, x, position) each, or (key, x, position,
+        kind), at most one job a session. `kind` PASS (a prompt chunk), STEPS (positions computed as
+        one-position decode steps would compute them, bit for bit) or SCORE (as STEPS, and the tail
+        returns the logits of every position, [n, vocab]). Their rows go through the layers stacked
+        (see `rows.Rows`), so each result is bit for bit what the session gets alone. A job that
+        cannot run (unknown session, bad input, KV budget full) gets its exception in its place (a
+        `plain_error`: refused work holds no memory once its reply is out); the others run."""
         results: list[torch.Tensor | Exception | None] = [None] * len(jobs)
-        groups: dict[tuple[int, int], list[tuple[int, object, torch.Tensor, int]]] = {}
+        groups: dict[tuple[int, int], list[tuple]] = {}
         with torch.inference_mode():
             seen = set()
-            for i, (key, x, position) in enumerate(jobs):
+            for i, (key, x, position, *rest) in enumerate(jobs):
                 try:
+                    kind = rest[0] if rest else PASS
+                    if kind not in KINDS:
+                        raise ValueError(f"unknown kind of pass {kind!r}")
                     if key in seen:
                         raise ValueError(f"session {key!r} appears twice in one batch")
                     seen.add(key)
@@ -214,7 +222,7 @@ class Shard:
                     h = self._input(x, first, position)  # checked first: refused input keeps no session alive
                     kv = self.kv.get(key)
                     kv.reserve(position, h.shape[1])
-                    groups.setdefault((first, last), []).append((i, kv, h, position))
+                    groups.setdefault((first, last), []).append((i, kv, h, position, kind))
                 except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
                     results[i] = plain_error(exc)
             for (first, last), members in groups.items():  # sessions entering or leaving mid-range apart
@@ -240,18 +248,39 @@ class Shard:
             raise ValueError("nothing to run: zero positions")
         return h
 
+    def _segments(self, members: list) -> list[tuple[object, int, int]]:
+        """(kv, position, n) per segment of the pass. Where a pass of many positions rounds
+        differently from one-position steps (torch's float matmuls pick their kernel by row count,
+        its attention by query count), a STEPS or SCORE job goes as one segment a position, which
+        every layer computes as the decode step of that position (`rows.Rows`)."""
+        parts = []
+        for _, kv, h, position, kind in members:
+            n = h.shape[1]
+            if kind != PASS and n > 1 and not self.passes_equal_steps:
+                parts.extend((kv, position + j, 1) for j in range(n))
+            else:
+                parts.append((kv, position, n))
+        return parts
+
     def _run(self, first: int, last: int, members: list, results: list) -> None:
-        rows = Rows.stack([(kv, position, h.shape[1]) for _, kv, h, position in members])
+        rows = Rows.stack(self._segments(members))
         h = torch.cat([m[2] for m in members], dim=1) if len(members) > 1 else members[0][2]
         for li, layer in enumerate(self.layers[first - self.start:last - self.start]):
             h = self.family.layer_forward(layer, h, self.config, self.rotary, rows, li)
-        for (_, kv, _, position), seg in zip(members, rows.segments):
-            kv.commit(position + seg.n)
-        if last == self.config.n_layers:
-            ones = Rows.stack([(None, 0, 1)] * len(members))
-            logits = self.family.final(self.tail, rows.last_rows(h), self.config, ones).float()
-            for j, (i, *_rest) in enumerate(members):
-                results[i] = logits[0, j]
-        else:
-            for (i, *_rest), part in zip(members, rows.split(h)):
-                results[i] = part
+        spans, row = [], 0  # each member's rows [row, row + n)
+        for _, kv, mh, position, _ in members:
+            kv.commit(position + mh.shape[1])
+            spans.append((row, mh.shape[1]))
+            row += mh.shape[1]
+        if last != self.config.n_layers:
+            for (i, *_), (r, n) in zip(members, spans):
+                results[i] = h if len(members) == 1 else h[:, r:r + n]
+            return
+        picked = [range(r, r + n) if m[4] == SCORE else range(r + n - 1, r + n) for m, (r, n) in zip(members, spans)]
+        flat = [r for rs in picked for r in rs]
+        x = h[:, -1:] if flat == [h.shape[1] - 1] else h[:, flat]
+        logits = self.family.final(self.tail, x, self.config, Rows.stack([(None, 0, 1)] * len(flat))).float()
+        at = 0
+        for m, rs in zip(members, picked):
+            results[m[0]] = logits[0, at:at + len(rs)] if m[4] == SCORE else logits[0, at]
+            at += len(rs)

@@ -1,8 +1,12 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded per session.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded per session, and
+verifying an entry's draft tokens against the logits of every position they occupy.
 
-Rule: a draw depends on the seed, the position it samples for and the logits only: the same text
+Rules: a draw depends on the seed, the position it samples for and the logits only: the same text
 alone, in a batch with other sessions, and after a reroute replays the session elsewhere (each
-session owns its generator, reseeded from (seed, position) before each draw).
+session owns its generator, reseeded from (seed, position) before each draw). Verification keeps the
+distribution of plain sampling: greedy accepts a draft where it equals the argmax; sampling accepts a
+draft d with probability p(d) and otherwise draws from p without d, renormalised (the standard rule
+for a draft proposed with certainty), each uniform draw seeded from (seed, position) too.
 """
 
 from __future__ import annotations
@@ -29,18 +33,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, not {self.top_k}")
 
 
+def _seed(seed: int, position: int, purpose: str = "") -> int:
+    digest = hashlib.blake2b(f"{seed}:{position}{purpose}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
 
-    def sample(self, logits: torch.Tensor, position: int = 0) -> tuple[int, float]:
-        """Token id (for `position`) and its log-probability under the (tempered, filtered) distribution."""
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the distribution tokens are drawn from (tempered, top-k, top-p); for
+        greedy, of the plain softmax."""
         logits = logits.float().reshape(-1)
         p = self.params
         if p.temperature == 0:
-            token = int(torch.argmax(logits))
-            return token, float(torch.log_softmax(logits, -1)[token])
+            return torch.log_softmax(logits, -1)
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -50,8 +59,46 @@ class Sampler:
             cum = torch.softmax(sorted_logits, -1).cumsum(-1)
             drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p  # keep the token that crosses top_p
             logits = logits.scatter(0, order[drop], float("-inf"))
-        logprobs = torch.log_softmax(logits, -1)
-        digest = hashlib.blake2b(f"{p.seed}:{position}".encode(), digest_size=8).digest()
-        self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.log_softmax(logits, -1)
+
+    def sample(self, logits: torch.Tensor, position: int = 0) -> tuple[int, float]:
+        """Token id (for `position`) and its log-probability under the (tempered, filtered) distribution."""
+        logprobs = self.logprobs(logits)
+        if self.params.temperature == 0:
+            token = int(torch.argmax(logprobs))
+            return token, float(logprobs[token])
+        self.generator.manual_seed(_seed(self.params.seed, position))
         token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
+        return token, float(logprobs[token])
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], position: int) -> tuple[int, int, float]:
+        """Check drafts against logits [len(drafts) + 1, vocab], whose row i scores the token at
+        `position + i` (row i follows draft i - 1). Returns how many drafts are accepted, the token
+        after them, and its log-probability."""
+        if logits.shape[0] != len(drafts) + 1:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
+        for i, draft in enumerate(drafts):
+            kept = self._check(logits[i], draft, position + i)
+            if kept is not None:
+                return i, *kept
+        return len(drafts), *self.sample(logits[-1], position + len(drafts))
+
+    def _check(self, logits: torch.Tensor, draft: int, position: int) -> tuple[int, float] | None:
+        """None where the draft stands; else the token drawn in its place and its log-probability."""
+        logprobs = self.logprobs(logits)
+        if not 0 <= draft < logprobs.numel():
+            raise ValueError(f"draft token {draft} is not in the vocabulary of {logprobs.numel()}")
+        if self.params.temperature == 0:
+            token = int(torch.argmax(logprobs))
+            return None if token == draft else (token, float(logprobs[token]))
+        probs = logprobs.exp()
+        self.generator.manual_seed(_seed(self.params.seed, position, ":accept"))
+        if float(torch.rand((), generator=self.generator, dtype=torch.float64)) < float(probs[draft]):
+            return None
+        rest = probs.clone()
+        rest[draft] = 0.0
+        if not float(rest.sum()) > 0:  # p(draft) rounds to 1: nothing else can be drawn
+            return None
+        self.generator.manual_seed(_seed(self.params.seed, position))
+        token = int(torch.multinomial(rest, 1, generator=self.generator))  # multinomial renormalises
         return token, float(logprobs[token])

@@ -16,8 +16,9 @@ from typing import Any, ClassVar, Optional
 from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 4  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
-# 4: OpenSession.microbatch
+PROTOCOL_VERSION = 5  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
+# 4: OpenSession.microbatch; 5: Phase.VERIFY, Token.accepted, GenerateRequest.speculate, decode frames of
+# several positions
 
 
 class MsgType(enum.IntEnum):
@@ -39,9 +40,16 @@ class MsgType(enum.IntEnum):
 
 
 class Phase(enum.IntEnum):
+    """What a Forward frame's positions are. PREFILL: prompt chunks (the tail samples after the last
+    chunk). DECODE: tokens already chosen (one a step, or a replay's many), every row computed as a
+    one-position step would compute it; the tail samples after the last. VERIFY: the last accepted
+    token and k drafts (the `drafts` tensor travels with the hidden states), computed as DECODE; the
+    tail scores every row and answers how many drafts it accepts and the token after them."""
+
     NONE = 0
     PREFILL = 1
     DECODE = 2
+    VERIFY = 3
 
 
 class ErrorCode(enum.StrEnum):
@@ -237,6 +245,7 @@ class Token(Message):
     logprob: Optional[float] = None
     pass_id: int = 0
     pass_size: int = 0
+    accepted: int = 0  # answering a VERIFY frame: how many of its drafts precede `token_id`
 
 
 @message(MsgType.CLOSE)
@@ -284,6 +293,7 @@ class GenerateRequest(Message):
     chat: bool = False
     ignore_eos: bool = False
     messages: str = ""  # a whole conversation as JSON ([{"role", "content"}, ...]); replaces `prompt`
+    speculate: bool = True  # False: no drafts for this request, whatever the entry's --speculate
 
 
 @message(MsgType.STATUS)

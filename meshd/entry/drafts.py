@@ -1,0 +1,102 @@
+"""Draft tokens at the entry: what a step proposes after the last accepted token, and how many.
+
+Why: over real links a token costs the round trips through every hop, not the compute; a step that
+carries k drafts verified in one pass down the route returns up to k + 1 tokens for one trip.
+
+`PromptLookup` drafts without a model: the longest recent n-gram of the context (prompt and text so
+far) that occurred earlier is continued as it went on then (text that quotes or edits its prompt
+repeats long runs). `DraftLength` keeps k near what the generation's drafts have earned: it grows
+while drafts are accepted, shrinks as they fail, and falls to plain decoding (k = 0), trying one
+draft again after a pause that doubles each time it fails, so a workload whose drafts keep failing
+costs about what plain decoding costs. Both are pure: tokens in, tokens out.
+"""
+
+from __future__ import annotations
+
+NGRAM_MAX = 3  # the longest suffix looked up
+NGRAM_MIN = 2  # single tokens repeat too often by chance to be worth a draft
+DRAFT_MAX = 8  # drafts a step carries at most (--draft-max)
+FIRST_K = 4
+PAUSE_MIN, PAUSE_MAX = 4, 64  # plain steps before one draft is tried again at k = 0
+
+
+class PromptLookup:
+    """Drafts from earlier occurrences in the context. The context only grows (accepted tokens are
+    never taken back), so the n-grams seen so far are indexed once, each by its latest occurrence."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"n-gram sizes {ngram_min}..{ngram_max}: 1 <= min <= max expected")
+        self.sizes = range(ngram_max, ngram_min - 1, -1)
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self.seen = 0  # continuations indexed: those starting before this position
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the context's longest
+        indexed suffix ([] when none occurred, or k is 0)."""
+        for end in range(max(self.seen, 1), len(context)):  # n-grams ending before `end`, followed by it
+            for n in self.sizes:
+                if end >= n:
+                    self.index[tuple(context[end - n:end])] = end
+        self.seen = max(self.seen, len(context))
+        if k <= 0:
+            return []
+        for n in self.sizes:
+            start = self.index.get(tuple(context[-n:])) if len(context) >= n else None
+            if start is not None:
+                return list(context[start:start + k])
+        return []
+
+
+class DraftLength:
+    """How many drafts the next step asks for, from how the generation's drafts fared."""
+
+    def __init__(self, most: int = DRAFT_MAX, first: int = FIRST_K) -> None:
+        if most < 0:
+            raise ValueError(f"at most {most} drafts: 0 or more expected")
+        self.most = most
+        self.k = min(first, most)
+        self.pause = 0  # plain steps left before a draft is tried again
+        self.next_pause = PAUSE_MIN
+
+    def wanted(self) -> int:
+        """Drafts for the next step (call once a step)."""
+        if self.most == 0:
+            return 0
+        if self.k > 0:
+            return self.k
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return 1  # a probe
+
+    def after(self, drafted: int, accepted: int) -> None:
+        """A step carried `drafted` drafts and the tail accepted `accepted` of them."""
+        if drafted <= 0:
+            return
+        if accepted >= drafted:
+            self.k = min(self.most, max(self.k, drafted) + 2)
+            self.next_pause = PAUSE_MIN
+        elif accepted > 0:
+            self.k = min(self.most, accepted + 1)
+        else:
+            self.k //= 2
+            if self.k == 0:
+                self.pause = self.next_pause
+                self.next_pause = min(PAUSE_MAX, 2 * self.next_pause)
+
+
+class Drafts:
+    """A generation's drafting: the lookup and the length, kept across reroutes (the drafts after a
+    reroute are those the lost route would have been sent, so seeded text continues as it would)."""
+
+    def __init__(self, most: int = DRAFT_MAX) -> None:
+        self.lookup, self.length = PromptLookup(), DraftLength(most)
+
+    def propose(self, context: list[int], room: int) -> list[int]:
+        """Drafts after the context, at most `room` (what the generation may still produce, less
+        the token the step itself gives)."""
+        return self.lookup.propose(context, min(self.length.wanted(), max(0, room)))
+
+    def after(self, drafted: int, accepted: int) -> None:
+        self.length.after(drafted, accepted)

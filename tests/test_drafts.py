@@ -1,0 +1,125 @@
+"""Speculation's pure parts (issue 20): prompt-lookup drafts, the draft length that follows
+acceptance, and the tail's verification rule (greedy prefix; for sampling the standard
+accept/reject rule, whose output must follow the target distribution)."""
+
+import pytest
+import torch
+
+from meshd.entry.drafts import PAUSE_MIN, DraftLength, Drafts, PromptLookup
+from meshd.entry.state import Generation
+from meshd.shard.sampler import Sampler, SamplingParams
+
+# chi-square critical values at p = 0.001 (df: value), from the standard table
+CHI2_999 = {3: 16.266, 4: 18.467, 5: 20.515}
+
+
+def test_prompt_lookup_continues_the_longest_earlier_ngram():
+    look = PromptLookup(ngram_max=3, ngram_min=2)
+    ctx = [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 7, 8, 1, 2, 3]
+    # "1 2 3" occurred at the start, followed by 4 5 9; "2 3" more recently (followed by 4 7 8)
+    assert look.propose(ctx, 3) == [4, 5, 9]
+    assert look.propose(ctx + [4], 2) == [7, 8]  # "2 3 4" latest at position 7: followed by 7 8
+    assert look.propose([5, 6, 7, 8], 4) == []  # nothing repeats
+    assert PromptLookup().propose(ctx, 0) == []
+
+
+def test_prompt_lookup_never_proposes_the_suffix_itself_and_keeps_its_index_as_the_context_grows():
+    look = PromptLookup(ngram_max=2, ngram_min=2)
+    assert look.propose([3, 4], 4) == []  # the only "3 4" is the suffix
+    assert look.propose([3, 4, 3, 4], 4) == [3, 4]  # the earlier one, continued up to the end
+    ctx = [3, 4, 3, 4]
+    for t in [5, 3, 4]:
+        ctx.append(t)
+        look.propose(ctx, 1)
+    assert look.propose(ctx, 2) == [5, 3]  # the latest earlier "3 4" (at 2) went on with 5
+
+
+def test_the_draft_length_grows_while_accepted_and_falls_to_plain_decoding_with_probes():
+    d = DraftLength(most=8, first=4)
+    assert d.wanted() == 4
+    d.after(4, 4)
+    assert d.wanted() == 6
+    d.after(6, 6)
+    d.after(8, 8)
+    assert d.wanted() == 8  # capped at --draft-max
+    d.after(8, 2)
+    assert d.wanted() == 3  # what would have been accepted, and one more
+    d.after(d.wanted(), 0)
+    assert d.k == 1  # halved on a miss of the first draft
+    d.after(d.wanted(), 0)
+    assert d.k == 0
+    plain = [d.wanted() for _ in range(PAUSE_MIN)]
+    assert plain == [0] * PAUSE_MIN and d.wanted() == 1  # a probe after the pause
+    d.after(1, 0)
+    assert [d.wanted() for _ in range(2 * PAUSE_MIN)] == [0] * (2 * PAUSE_MIN)  # the pause doubles
+    assert d.wanted() == 1
+    d.after(1, 1)
+    assert d.wanted() == 3  # a probe that stands brings drafts back
+    d.after(0, 0)  # a step without drafts changes nothing
+    assert d.wanted() == 3
+    assert DraftLength(most=0).wanted() == 0
+    with pytest.raises(ValueError):
+        DraftLength(most=-1)
+
+
+def test_a_generation_proposes_no_more_drafts_than_it_may_still_produce():
+    gen = Generation.start([1, 2, 3, 1, 2, 3, 1, 2], 4, max_positions=64)
+    gen.drafts = Drafts(8)
+    assert gen.propose() == []  # no token generated yet: the first comes from the prefill
+    gen.accept(3)
+    assert gen.propose() == [1, 2]  # 3 tokens left: at most 2 drafts, the step gives the third
+    gen.verified(2, 1)
+    assert (gen.drafted, gen.accepted_drafts) == (2, 1)
+    assert gen.stats()["drafted"] == 2 and gen.stats()["accepted"] == 1
+    plain = Generation.start([1, 2, 1, 2], 4, max_positions=64)
+    plain.accept(1)
+    assert plain.propose() == []
+
+
+def test_greedy_verification_accepts_the_prefix_that_equals_the_argmax():
+    s = Sampler(SamplingParams())
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 2]):
+        logits[row, best] = 1.0
+    assert s.verify(logits, [3, 5, 7], 10)[:2] == (3, 2)  # all accepted, then the bonus token
+    assert s.verify(logits, [3, 6, 7], 10)[:2] == (1, 5)  # the second is wrong: argmax in its place
+    assert s.verify(logits, [0, 5, 7], 10)[:2] == (0, 3)
+    assert s.verify(logits[:1], [], 10)[:2] == (0, 3)
+    with pytest.raises(ValueError):
+        s.verify(logits, [3], 10)
+    with pytest.raises(ValueError):
+        s.verify(logits[:2], [99], 10)
+
+
+@pytest.mark.parametrize("params,draft", [(SamplingParams(temperature=1.0, seed=5), 1),
+                                          (SamplingParams(temperature=0.7, seed=9), 4),
+                                          (SamplingParams(temperature=1.0, top_k=4, seed=2), 0)])
+def test_accept_reject_gives_exactly_the_target_distribution(params, draft):
+    """A draft proposed with certainty, accepted with probability p(draft), else a draw from p
+    without it: the token that comes out follows p (goodness of fit over many positions, fixed seeds)."""
+    logits = torch.tensor([[0.3, 1.2, -0.5, 0.9, 0.1, -1.0], [0.0] * 6])
+    s = Sampler(params)
+    p = s.logprobs(logits[0]).exp()
+    n = 6000
+    counts = torch.zeros(6)
+    for position in range(n):
+        accepted, token, _ = s.verify(logits, [draft], position)
+        counts[draft if accepted else token] += 1
+    support = p > 0
+    assert counts[~support].sum() == 0  # nothing outside top-k
+    expected = n * p[support]
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_999[int(support.sum()) - 1], (chi2, counts.tolist(), expected.tolist())
+    # and the rule differs from plain sampling only in its draws: the draft is accepted about p(draft)
+    accept_rate = sum(s.verify(logits, [draft], q)[0] for q in range(2000)) / 2000
+    assert abs(accept_rate - float(p[draft])) < 0.05
+
+
+def test_verification_draws_depend_on_seed_and_position_only():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    a, b = Sampler(SamplingParams(temperature=0.8, seed=3)), Sampler(SamplingParams(temperature=0.8, seed=3))
+    b.sample(logits[0], 99)  # another draw in between changes nothing
+    assert a.verify(logits, [1, 2, 3, 4], 40) == b.verify(logits, [1, 2, 3, 4], 40)
+    other = [Sampler(SamplingParams(temperature=0.8, seed=4)).verify(logits, [1, 2, 3, 4], q)[1] for q in range(20)]
+    same = [a.verify(logits, [1, 2, 3, 4], q)[1] for q in range(20)]
+    assert other != same
