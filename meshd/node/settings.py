@@ -72,6 +72,8 @@ class Settings:
     wire_encoding: str = "raw"  # how hidden states travel: raw float32, zstd, or auto (zstd where it saves)
     chunk_tokens: int = 128  # prompt tokens per prefill chunk
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
+    swarm_key: str = ""  # a private mesh's key file (/key/swarm/psk/1.0.0/); empty: an open mesh
+    require_swarm_key: int = 0  # 1: refuse to start without swarm_key (also LIBP2P_FORCE_PNET=1)
 
     def configure(self) -> None:
         """Hand the parts below the node their settings: they read no environment themselves."""
@@ -97,6 +99,18 @@ class Settings:
         if self.http_token_file:
             return Path(self.http_token_file).read_text().strip()
         return ""
+
+    def mesh_key(self, environ=os.environ):
+        """The private mesh's key (None: an open mesh). Raises SwarmKeyError (a ValueError) for a key
+        file that is malformed or readable by other users, and without a key when one is required."""
+        from meshd.p2p.swarmkey import SwarmKeyError, read_swarm_key
+
+        if self.swarm_key:
+            return read_swarm_key(self.swarm_key)
+        if self.require_swarm_key or environ.get("LIBP2P_FORCE_PNET") == "1":
+            raise SwarmKeyError("a swarm key is required (--require-swarm-key or LIBP2P_FORCE_PNET=1) but none is"
+                                " given: set --swarm-key FILE, MESHD_SWARM_KEY or swarm_key in the config")
+        return None
 
     def relay_limits(self):
         from meshd.relay.policy import RelayLimits

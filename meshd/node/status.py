@@ -35,6 +35,7 @@ def daemon_status(d) -> dict:
         "weight_bytes": slot.shard.weight_bytes if slot else 0,
         "rss_bytes": rss_bytes(),
         "http": d.http_addrs,
+        "mesh_key": d.pnet.summary() if getattr(d, "pnet", None) else {"private": False},
         "reachability": d.reach.summary() if d.reach else None,
         "relay": {**(d.relaying.summary() if d.relaying else {"service": None, "client": None}),
                   "hole_punch": d.punch.summary() if d.punch else None,

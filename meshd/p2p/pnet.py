@@ -22,6 +22,7 @@ import time
 
 from libp2p.abc import IRawConnection
 from libp2p.network.connection.exceptions import RawConnError
+from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from meshd.node.log import get_logger
 from meshd.p2p.swarmkey import SwarmKey
@@ -86,7 +87,13 @@ def protect_swarm(swarm, pnet: Pnet) -> None:
     secure = upgrader.upgrade_security
 
     async def upgrade_security(raw_conn, is_initiator, *args, **kwargs):
-        return await secure(pnet.protect(raw_conn), is_initiator, *args, **kwargs)
+        conn = pnet.protect(raw_conn)
+        try:
+            return await secure(conn, is_initiator, *args, **kwargs)
+        except SecurityUpgradeFailure as exc:
+            if conn.refusal:  # logged once, rate-limited, by us: not as a failed upgrade by the swarm
+                raise NotAMember(conn.refusal) from exc
+            raise
 
     upgrader.upgrade_security = upgrade_security
 
@@ -102,6 +109,7 @@ class PnetConn(IRawConnection):
         self._dec: XSalsa20 | None = None
         self._pending = b""  # decrypted bytes the caller has not read yet
         self._opening_seen = False  # the peer sent some of its opening
+        self.refusal = ""  # why the peer was refused, once it was
         self.is_initiator = getattr(conn, "is_initiator", False)
 
     async def write(self, data: bytes) -> None:
@@ -115,7 +123,10 @@ class PnetConn(IRawConnection):
     async def read(self, n: int | None = None) -> bytes:
         if self._dec is None:
             if self._enc is None:
-                await self.write(b"")
+                try:
+                    await self.write(b"")
+                except Exception:  # the peer went away; what it sent before says whether it was a member
+                    pass
             await self._open_reading()
         if self._pending:
             out = self._pending if n is None else self._pending[:n]
@@ -151,12 +162,13 @@ class PnetConn(IRawConnection):
         return got
 
     async def _refuse(self, why: str) -> None:
+        self.refusal = f"refused a connection without the mesh's key from {self.remote_text()}: {why}"
         self._on_refused(self.remote_text())
         try:
             await self._conn.close()
         except Exception:
             pass
-        raise NotAMember(f"refused a connection without the mesh's key from {self.remote_text()}: {why}")
+        raise NotAMember(self.refusal)
 
     def remote_text(self) -> str:
         try:

@@ -104,10 +104,11 @@ def read_swarm_key(path: str | os.PathLike) -> SwarmKey:
         fd = os.open(p, os.O_RDONLY)
     except OSError as exc:
         raise SwarmKeyError(f"cannot read the swarm key {p}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SwarmKeyError(f"the swarm key {p} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SwarmKeyError(f"the swarm key {p} is not a regular file")
         if st.st_mode & 0o077:
             raise SwarmKeyError(f"the swarm key {p} has mode {stat.S_IMODE(st.st_mode):04o}: other users may read"
                                 f" or change it; `chmod 600 {p}`")
