@@ -10,9 +10,11 @@ circuits) or hole-punched, passes through it, and pnet starts there, before mult
 
 Rule: a connection from a peer without the key is refused before libp2p reads a byte of it. Any
 libp2p connection opens with multistream's header (`/multistream/1.0.0`), so the first 20
-decrypted bytes must be that header; bytes that decrypt to anything else (another key, no key at
-all) or a connection that ends before them close the connection, count a refusal, and log at
-most one line per `LOG_EVERY_S`.
+decrypted bytes must be that header. A peer of an open mesh sends that header in the clear (no
+nonce begins so, but for 2**-160) and is refused at once, without waiting for more; one whose
+bytes decrypt to anything else (another key), or that ends its connection part way through the
+opening, is refused too. Each refusal closes the connection, is counted, and is logged at most
+once per `LOG_EVERY_S`; a connection that ends before sending a byte is only a closed connection.
 """
 
 from __future__ import annotations
