@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -116,6 +117,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-mesh", action="store_true", help="skip the three-daemon decode figures")
     args = ap.parse_args()
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # hang-ups of the throwaway hosts are no news
     out: dict = {"cpu": "avx2", "cipher_mb_s": round(cipher_mb_s(), 1)}
     pnet = Pnet(SwarmKey(os.urandom(32)))
     for name, p in (("open", None), ("keyed", pnet), ("open_again", None), ("keyed_again", pnet)):
