@@ -173,7 +173,9 @@ def test_the_key_setting_comes_from_flag_environment_or_config_and_can_be_requir
         load_settings({}, None, environ={}).mesh_key(environ={"LIBP2P_FORCE_PNET": "1"})
 
 
-def test_meshd_swarm_key_new_writes_a_key_and_join_refuses_bad_ones_with_exit_2(tmp_path, capsys):
+def test_meshd_swarm_key_new_writes_a_key_and_join_refuses_bad_ones_with_exit_2(tmp_path, capsys, monkeypatch):
+    # meshd's logging setup would bind the log to this test's captured stderr, closed after it
+    monkeypatch.setattr("meshd.cli.main.setup_logging", lambda level: None)
     path = tmp_path / "swarm.key"
     assert meshd_main(["swarm-key", "new", str(path)]) == 0
     fp = read_swarm_key(path).fingerprint
