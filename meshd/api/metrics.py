@@ -119,6 +119,10 @@ class _Live:
         for (protocol, direction), n in sorted(TRAFFIC.items()):
             traffic.add_metric([protocol, direction], n)
         yield traffic
+        refused = CounterMetricFamily("meshd_connections_refused_without_key", "Connections refused because the peer"
+                                      " does not hold the private mesh's key, since start")
+        refused.add_metric([], (st.get("mesh_key") or {}).get("refused", 0))
+        yield refused
         yield from ledger_metrics(self.daemon.ledger.totals())
 
 

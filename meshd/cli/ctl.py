@@ -135,6 +135,15 @@ def draft_line(spec: dict | None) -> str:
             f" {sent} sent, {kept} accepted{rate}")
 
 
+def mesh_key_line(key: dict | None) -> str:
+    """Whether only holders of a swarm key may connect."""
+    if not key or not key.get("private"):
+        return "mesh      open mesh"
+    n = key.get("refused", 0)
+    return (f"mesh      private mesh, key {key['fingerprint']}"
+            + (f"; {n} connection{'s' * (n != 1)} without the key refused" if n else ""))
+
+
 def reach_line(reach: dict | None) -> str:
     """Whether peers could dial this node back, and what they saw."""
     if not reach or reach["status"] == "unknown":
@@ -191,6 +200,7 @@ def render_status(st: dict) -> str:
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
              load_line(st), draft_line(st.get("speculation"))] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
     lines += [f"addr      {a}" for a in st["addrs"]]
+    lines.append(mesh_key_line(st.get("mesh_key")))
     lines.append(reach_line(st.get("reachability")))
     lines += relay_lines(st.get("relay"))
     lines += [f"http      {h}  (dashboard, OpenAI API, /metrics)" for h in st.get("http") or []]

@@ -80,7 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                       " released (default 600)")
     join.add_argument("--peer-share", type=float, help="share of the sessions, the KV budget and the queue that"
                       " one peer may hold; the rest stays for others (default 0.75)")
+    join.add_argument("--swarm-key", help="a private mesh's key file (libp2p's /key/swarm/psk/1.0.0/ format, mode"
+                      " 0600): only daemons holding the same key can connect (default: an open mesh)")
+    join.add_argument("--require-swarm-key", action="store_const", const=1, help="refuse to start without"
+                      " --swarm-key (for the systemd unit and shared configs)")
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
+    key = sub.add_parser("swarm-key", help="create or inspect a private mesh's key")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    key_sub.add_parser("new", help="write a fresh key (mode 0600) and print its fingerprint").add_argument("file")
+    key_sub.add_parser("fingerprint", help="print the fingerprint of a key file").add_argument("file")
     demo = sub.add_parser("demo", help="start three daemons on loopback and generate through them")
     demo.add_argument("prompt", nargs="?", default="Write a haiku about distributed computing.")
     demo.add_argument("--model", default="smollm2")
@@ -118,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
             flags = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
             return run_daemon(load_settings(flags, args.config))
+        if args.command == "swarm-key":
+            return swarm_key_command(args)
         if args.command == "demo":
             from meshd.cli.demo import run_demo
 
@@ -136,6 +146,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshd: error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def swarm_key_command(args) -> int:
+    from meshd.p2p.swarmkey import read_swarm_key, write_new_swarm_key
+
+    if args.key_command == "new":
+        key = write_new_swarm_key(args.file)
+        print(f"wrote a new swarm key to {key.path} (mode 0600)\nfingerprint {key.fingerprint}")
+        print("hand the file to every member over a channel you trust; start each daemon with"
+              f" --swarm-key {key.path}", file=sys.stderr)
+    else:
+        print(read_swarm_key(args.file).fingerprint)
+    return 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from meshd.node.slot import Slot, forget_shard, open_slot
 from meshd.node.status import daemon_status
 from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
+from meshd.p2p.pnet import Pnet
 from meshd.relay.punch import HolePuncher
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.wire.protocols import GEN_PROTOCOL, SHARD_PROTOCOL
@@ -56,6 +57,8 @@ class Daemon:
     def __init__(self, settings: Settings, compute: ComputeExecutor) -> None:
         self.settings = settings
         self.compute = compute
+        key = settings.mesh_key()  # refused here, before anything starts, when it is unusable
+        self.pnet = Pnet(key) if key else None  # a private mesh: its key and the connections refused
         self.lifecycle = Lifecycle()
         self.stop_requested: trio.Event | None = None
         self.started_at = time.time()
@@ -90,7 +93,7 @@ class Daemon:
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
-        async with open_host(key_pair, s.listen) as host:
+        async with open_host(key_pair, s.listen, self.pnet) as host:
             self.host = host
             self.dialer = Dialer(host, latency=lambda: self.mesh.latency if self.mesh is not None else {},
                                  known=lambda: self.mesh.known if self.mesh is not None else {})
@@ -106,7 +109,7 @@ class Daemon:
                                         model_name=self.artifact.name, serving=False, seq=first_seq())
                 self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.dialer.ensure_connected)
                 self.mesh.walker.client.dial = self.dialer.dial_known
-                self.reach = Reachability(host, peers=self.dialer.mesh_peers)
+                self.reach = Reachability(host, peers=self.dialer.mesh_peers, pnet=self.pnet)
                 host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
                 nursery.start_soon(self.reach.run)
                 self.relaying = Relaying(s, host, self.reach, self.mesh, self.dialer, on_change=self._relays_changed)
@@ -117,7 +120,8 @@ class Daemon:
                     app = HttpApi(self, control.generate, self.metrics, s.bearer_token())
                     self.http_addrs = await nursery.start(serve_http, app, check_bind(s.http))
                     log.info("http api up", addrs=self.http_addrs, token=bool(app.token))
-                log.info("daemon up", peer_id=pid, addrs=dialable_addrs(host), socket=str(s.socket_path))
+                log.info("daemon up", peer_id=pid, addrs=dialable_addrs(host), socket=str(s.socket_path),
+                         mesh=f"private, key {self.pnet.fingerprint}" if self.pnet else "open")
                 if s.bootstrap:
                     reached = await self.mesh.connect_bootstrap(s.bootstrap)
                     if not reached:

@@ -83,6 +83,8 @@ class Settings:
     peer_share: float = 0.75  # of the sessions, the KV budget and the queue, what one peer may hold
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
     ledger_days: float = 30.0  # the work ledger keeps rows this long, then daily totals per peer (0: no ledger)
+    swarm_key: str = ""  # a private mesh's key file (/key/swarm/psk/1.0.0/); empty: an open mesh
+    require_swarm_key: int = 0  # 1: refuse to start without swarm_key (also LIBP2P_FORCE_PNET=1)
 
     def configure(self) -> None:
         """Hand the parts below the node their settings: they read no environment themselves."""
@@ -133,6 +135,18 @@ class Settings:
         if self.draft_max < 0:
             raise ValueError(f"--draft-max must be 0 or more, not {self.draft_max}")
         return self.speculate == "auto" and self.draft_max > 0
+
+    def mesh_key(self, environ=os.environ):
+        """The private mesh's key (None: an open mesh). Raises SwarmKeyError (a ValueError) for a key
+        file that is malformed or readable by other users, and without a key when one is required."""
+        from meshd.p2p.swarmkey import SwarmKeyError, read_swarm_key
+
+        if self.swarm_key:
+            return read_swarm_key(self.swarm_key)
+        if self.require_swarm_key or environ.get("LIBP2P_FORCE_PNET") == "1":
+            raise SwarmKeyError("a swarm key is required (--require-swarm-key or LIBP2P_FORCE_PNET=1) but none is"
+                                " given: set --swarm-key FILE, MESHD_SWARM_KEY or swarm_key in the config")
+        return None
 
     def relay_limits(self):
         from meshd.relay.policy import RelayLimits

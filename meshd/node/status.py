@@ -36,6 +36,7 @@ def daemon_status(d) -> dict:
         "file_bytes": owned_artifact_bytes(d.artifact, slot.shard.start, slot.shard.end) if slot else 0,
         "rss_bytes": rss_bytes(),
         "http": d.http_addrs,
+        "mesh_key": d.pnet.summary() if getattr(d, "pnet", None) else {"private": False},
         "reachability": d.reach.summary() if d.reach else None,
         "relay": {**(d.relaying.summary() if d.relaying else {"service": None, "client": None}),
                   "hole_punch": d.punch.summary() if d.punch else None,

@@ -4,6 +4,8 @@ Rules (from py-libp2p 0.8.1's measured pitfalls): offer Noise alone (the default
 plaintext); cap connections per peer at one (the default makes every connect wait ~250 ms);
 keep libp2p's own loggers quiet; dial only the peers meshd asks for (py-libp2p's auto-connector
 would dial every peer in the peerstore, which DHT walks fill, until it holds 150 connections). Streams are framed by `StreamChannel` (meshd.wire over a stream).
+With a swarm key (a private mesh), every connection of the host runs libp2p's pnet under Noise
+(`meshd/p2p/pnet.py`); a host without one speaks to open meshes only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from meshd.p2p.addrs import with_peer
+from meshd.p2p.pnet import Pnet, protect_swarm
 
 IDENTITY_FILE = "identity.key"
 
@@ -43,12 +46,15 @@ def load_or_create_identity(state_dir: Path):
     return kp
 
 
-def make_host(key_pair):
+def make_host(key_pair, pnet: Pnet | None = None):
+    """A host (not yet running); with `pnet`, a member of that private mesh only."""
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519().private_key)
     host = new_host(key_pair=key_pair, sec_opt={NOISE_PROTOCOL_ID: noise},
                     muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
                     connection_config=ConnectionConfig(max_connections_per_peer=1))
     host.get_network().auto_connector.maybe_connect = _dial_nothing
+    if pnet is not None:
+        protect_swarm(host.get_network(), pnet)
     return host
 
 
@@ -58,9 +64,10 @@ async def _dial_nothing() -> None:
 
 
 @asynccontextmanager
-async def open_host(key_pair, listen: list[str]) -> AsyncIterator:
-    """A running host listening on `listen` multiaddrs (none: dial-out only)."""
-    host = make_host(key_pair)
+async def open_host(key_pair, listen: list[str], pnet: Pnet | None = None) -> AsyncIterator:
+    """A running host listening on `listen` multiaddrs (none: dial-out only), of the private mesh
+    `pnet` holds the key of (None: an open mesh)."""
+    host = make_host(key_pair, pnet)
     async with host.run([multiaddr.Multiaddr(a) for a in listen]):
         yield host
 

@@ -138,10 +138,10 @@ async def _receive(stream) -> dict:
     return obj
 
 
-async def dial_fresh(addrs: list[str], peer_id: str, timeout: float = DIAL_TIMEOUT) -> str | None:
-    """Dial `peer_id` at each address from a throwaway host; the first that answers (and proves it
-    is that peer in the Noise handshake), or None."""
-    async with open_host(create_new_key_pair(), []) as probe:
+async def dial_fresh(addrs: list[str], peer_id: str, timeout: float = DIAL_TIMEOUT, pnet=None) -> str | None:
+    """Dial `peer_id` at each address from a throwaway host (a member of the private mesh `pnet`,
+    when there is one); the first that answers (and proves it is that peer in the Noise handshake), or None."""
+    async with open_host(create_new_key_pair(), [], pnet) as probe:
         for a in addrs:
             try:
                 pid = await connect(probe, with_peer(a, peer_id), timeout=timeout)
@@ -156,9 +156,11 @@ async def dial_fresh(addrs: list[str], peer_id: str, timeout: float = DIAL_TIMEO
 class Reachability:
     """The dial-back protocol on a host: answer peers' questions and ask them ours."""
 
-    def __init__(self, host, peers=None) -> None:
-        """`peers()` names the peers worth asking (default: every connected peer)."""
+    def __init__(self, host, peers=None, pnet=None) -> None:
+        """`peers()` names the peers worth asking (default: every connected peer); `pnet`: the
+        private mesh's key, which dial-backs carry too."""
         self.host = host
+        self.pnet = pnet
         self.peers = peers or (lambda: [p.to_base58() for p in host.get_connected_peers()])
         self.state = ReachabilityState()
         self._serving = trio.Semaphore(SERVE_LIMIT)
@@ -180,7 +182,7 @@ class Reachability:
                 addrs = dial_candidates([a for a in req.get("addrs", []) if isinstance(a, str)][:16],
                                         observed) if observed else []
                 async with self._serving:
-                    reached = await dial_fresh(addrs, asker) if addrs else None
+                    reached = await dial_fresh(addrs, asker, pnet=self.pnet) if addrs else None
                 await _send(stream, {"reachable": reached is not None, "addr": reached, "observed": observed,
                                      "dialled": addrs})
         except Exception as exc:

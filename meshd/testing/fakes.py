@@ -1,5 +1,6 @@
 """Fakes of meshd's own interfaces for fast tests, as `trio.testing` ships memory streams and a clock:
-a hop's channel, a mesh view, coverage records and maps, and a channel pair over memory streams.
+a hop's channel, a mesh view, coverage records and maps, a channel pair over memory streams, and a
+pair of raw connections (what a transport hands the security upgrade) over memory streams.
 
 Rule: these stand in only for what a test does not exercise; each one keeps the real interface's
 names and meaning, so a test written against a fake reads like one against the real part.
@@ -77,3 +78,31 @@ def channel_pair() -> tuple[Channel, Channel]:
     """Two `Channel`s joined by an in-memory stream: frames sent on one arrive, encoded, at the other."""
     a, b = trio.testing.memory_stream_pair()
     return Channel.over_trio(a), Channel.over_trio(b)
+
+
+class MemoryRawConn:
+    """A raw libp2p connection (read/write/close, addresses) over a trio memory stream."""
+
+    def __init__(self, stream, remote: tuple[str, int], is_initiator: bool) -> None:
+        self.stream, self.remote, self.is_initiator = stream, remote, is_initiator
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self.stream.receive_some(n)
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def close(self) -> None:
+        await self.stream.aclose()
+
+    def get_remote_address(self) -> tuple[str, int]:
+        return self.remote
+
+    def get_transport_addresses(self) -> list:
+        return []
+
+
+def raw_conn_pair() -> tuple[MemoryRawConn, MemoryRawConn]:
+    """Two ends of one raw connection (the dialler's first), in memory."""
+    a, b = trio.testing.memory_stream_pair()
+    return MemoryRawConn(a, ("192.0.2.2", 4690), True), MemoryRawConn(b, ("192.0.2.1", 50000), False)

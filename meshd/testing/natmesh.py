@@ -8,14 +8,16 @@ from meshd.testing.localmesh import Mesh
 PORT = 4690
 
 
-def start_nat_mesh(bed, mesh: Mesh, ranges, relays: int, extra=(), threads: int = 1, homes_on_any: bool = False):
+def start_nat_mesh(bed, mesh: Mesh, ranges, relays: int, extra=(), threads: int = 1, homes_on_any: bool = False,
+                   pub_extra=()):
     """Start `relays` public daemons (`--layers none`, listening on 0.0.0.0, each bootstrapping from
     the earlier ones) and one home daemon per range (listening on its LAN address, or with
-    `homes_on_any` on 0.0.0.0, the default of `meshd join`); returns (public statuses, home DaemonProcs)."""
+    `homes_on_any` on 0.0.0.0, the default of `meshd join`); returns (public statuses, home DaemonProcs).
+    `extra` goes to the homes' command lines, `pub_extra` to the public daemons'."""
     pubs = []
     for i in range(relays):
         boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
-        d = mesh.start(f"pub{i}", ["--layers", "none", *boot], wrap=bed.wrap(f"pub{i}"), listen=f"/ip4/0.0.0.0/tcp/{PORT}")
+        d = mesh.start(f"pub{i}", ["--layers", "none", *boot, *pub_extra], wrap=bed.wrap(f"pub{i}"), listen=f"/ip4/0.0.0.0/tcp/{PORT}")
         pubs.append(d.wait_serving())
     boot = [a for p in pubs for a in ("--bootstrap", p["addrs"][0])]
     homes = [mesh.start(f"home{i}", ["--layers", f"{a}:{b}", "--threads", str(threads), *boot, *extra],
