@@ -1,10 +1,12 @@
-"""PNG plots of bench results, written next to their JSON: the sessions sweep and the gate's history.
+"""PNG plots of bench results, written next to their JSON: the sessions sweep, speculation per link
+setup, and the gate's history.
 
 matplotlib is optional (`pip install -e '.[bench]'`): without it every function here says so on
 stderr and writes nothing, and the benches run as before. Plots read the JSON the benches already
 write; nothing here measures anything.
 Usage: python bench/plots.py gate [RESULTS_DIR]     the history of bench/results/gate-*.json
        python bench/plots.py batch RESULT.json      a batch_bench.py result (or a gate result's raw runs)
+       python bench/plots.py spec RESULT.json       a spec_bench.py result (speculation per setup)
 """
 
 from __future__ import annotations
@@ -105,6 +107,35 @@ def _read(path: Path):
         return None
 
 
+def plot_speculation(result: dict, png: Path) -> Path | None:
+    """spec_bench's rows: decode tok/s with drafts and without, per setup (loopback, the test bed's
+    links), one panel a workload, the ratio and acceptance over each pair of bars."""
+    plt, rows = pyplot(), [r for r in result.get("results", []) if isinstance(r, dict) and "setup" in r]
+    if plt is None or not rows:
+        return None
+    workloads = sorted({r["workload"] for r in rows})
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        by = {r["setup"]: r for r in rows if r["workload"] == workload}
+        xs = range(len(setups))
+        for dx, key, label in ((-0.2, "spec_tok_s", "with drafts"), (0.2, "plain_tok_s", "plain")):
+            ax.bar([x + dx for x in xs], [by.get(s, {}).get(key, 0) for s in setups], width=0.4, label=label)
+        for x, s in zip(xs, setups):
+            if s in by:
+                acc = by[s].get("acceptance")
+                ax.annotate(f"{by[s]['ratio']}x" + (f", {acc:.0%} kept" if acc is not None else ""),
+                            (x, max(by[s]["spec_tok_s"], by[s]["plain_tok_s"])), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), setups)
+        ax.set_ylabel("decode tok/s (median)")
+        ax.set_title(f"{workload}")
+        ax.grid(axis="y", alpha=.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"speculation against plain decoding, {result.get('tokens', '?')} tokens"
+                 f" (CPU: {result.get('cpu', '?')})")
+    return _save(plt, fig, png)
+
+
 def _save(plt, fig, png: Path) -> Path:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110, bbox_inches="tight")
@@ -114,13 +145,14 @@ def _save(plt, fig, png: Path) -> Path:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("gate", "batch"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("gate", "batch", "spec"):
         raise SystemExit(__doc__.split("Usage: ")[1])
     if sys.argv[1] == "gate":
         gate_history(Path(sys.argv[2]) if len(sys.argv) > 2 else RESULTS)
     else:
         src = Path(sys.argv[2])
-        plot_sessions(json.loads(src.read_text()), src.with_suffix(".png"))
+        draw = plot_sessions if sys.argv[1] == "batch" else plot_speculation
+        draw(json.loads(src.read_text()), src.with_suffix(".png"))
 
 
 if __name__ == "__main__":

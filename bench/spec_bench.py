@@ -22,7 +22,9 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
+from meshd.shard import blocks
 from meshd.testing.localmesh import Mesh, ctl
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
@@ -114,6 +116,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="repeats of each prompt per mode")
     p.add_argument("--setups", default="loopback")
+    p.add_argument("--out", help="also write the JSON here, and beside it a PNG (with matplotlib)")
     args = p.parse_args()
     rows = [r for name in args.setups.split(",") for r in run_setup(name, args)]
     print(f"three daemons 0:10 10:20 20:30, SmolLM2 Q4_1 native, greedy, {args.tokens} tokens, median of"
@@ -123,7 +126,15 @@ def main() -> int:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['setup']:10} {r['workload']:8} {r['spec_tok_s']:>10} {r['plain_tok_s']:>11} {r['ratio']:>6}"
               f" {acc:>7}  {r['same_text']}")
-    print(json.dumps({"tokens": args.tokens, "runs": args.runs, "results": rows}))
+    result = {"tokens": args.tokens, "runs": args.runs, "cpu": blocks.isa(), "results": rows}
+    print(json.dumps(result))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        from plots import plot_speculation  # bench/plots.py, beside this script
+
+        plot_speculation(result, out.with_suffix(".png"))
     return 0
 
 

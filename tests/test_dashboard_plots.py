@@ -44,6 +44,19 @@ def test_a_sessions_sweep_and_a_gate_result_become_pngs(tmp_path):
     assert plots.plot_sessions({"nothing": 1}, tmp_path / "none.png") is None
 
 
+def test_a_speculation_result_becomes_a_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[bench]')")
+    row = lambda setup, workload, spec, plain: {"setup": setup, "workload": workload, "spec_tok_s": spec,  # noqa: E731
+                                                "plain_tok_s": plain, "ratio": round(spec / plain, 2),
+                                                "acceptance": 0.45}
+    result = {"tokens": 128, "cpu": "avx2", "results": [row("loopback", "quote", 5.2, 5.0), row("relay", "quote", 2.8, 2.6),
+                                                       row("loopback", "chat", 4.7, 4.7)]}
+    assert plots.plot_speculation(result, tmp_path / "spec.png").read_bytes()[:8] == PNG
+    assert plots.plot_speculation({"results": []}, tmp_path / "none.png") is None
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plots.plot_speculation(result, tmp_path / "no.png") is None and not (tmp_path / "no.png").exists()
+
+
 def write_runs(folder: Path) -> None:
     for i, (score, mode) in enumerate([(0.9, "full"), (1.2, "smoke"), (1.05, "quick")]):
         (folder / f"gate-2026-12-0{i + 1}T10-00-00.json").write_text(json.dumps(
