@@ -4,14 +4,13 @@ mix, and daemons without the key (or with another) pointed at a keyed mesh canno
 import json
 import re
 import subprocess
-import sys
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.p2p.swarmkey import write_new_swarm_key
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.testing.localmesh import Mesh, ctl, local_text
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
@@ -21,10 +20,7 @@ REFUSAL = "refused a connection without the mesh's key from"
 
 
 def reference(tokens: int) -> str:
-    local = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", "10,20", "--max-tokens", str(tokens),
-                            PROMPT], capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr
-    return local.stdout
+    return local_text(PROMPT, tokens)
 
 
 def generated(daemon) -> str:

@@ -4,13 +4,11 @@ punching; a public daemon without the key, offering to relay, is never used. Nee
 and `nft` (as tests/test_netns.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from meshd.p2p.swarmkey import write_new_swarm_key
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.testing.localmesh import Mesh, ctl, local_text
 from meshd.testing.natmesh import PORT, covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 
@@ -24,10 +22,7 @@ REFUSAL = "refused a connection without the mesh's key from"
 
 
 def reference(tokens: int) -> str:
-    local = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", "10,20", "--max-tokens", str(tokens),
-                            PROMPT], capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr
-    return local.stdout
+    return local_text(PROMPT, tokens)
 
 
 def generate(home) -> dict:

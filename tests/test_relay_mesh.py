@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl, read_rest
+from meshd.testing.localmesh import Mesh, ctl, local_text, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 from meshd.testing.netswitch import LinkSpec
@@ -24,10 +24,7 @@ RANGES = [(0, 10), (10, 20), (20, 30)]
 
 
 def reference(tokens: int) -> str:
-    local = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", "10,20", "--max-tokens", str(tokens),
-                            PROMPT], capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr
-    return local.stdout
+    return local_text(PROMPT, tokens)
 
 
 def start_mesh(bed, mesh: Mesh, relays: int, extra=(), homes_on_any=False):

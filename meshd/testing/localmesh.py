@@ -103,6 +103,14 @@ def ctl(socket: Path, args: list[str], timeout: float = 120.0) -> subprocess.Com
                           capture_output=True, text=True, timeout=timeout)
 
 
+def local_text(prompt: str, tokens: int, split: str = "10,20") -> str:
+    """The reference text: `meshd local` run in one process over the same split (greedy)."""
+    local = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", split, "--max-tokens", str(tokens),
+                            prompt], capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    return local.stdout
+
+
 class Mesh:
     """A set of daemons under one short temporary directory (Unix socket paths must stay short)."""
 
