@@ -117,30 +117,34 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 /* 32-wide block b of a row as w = a * u + c: lanes 0-3 (elements 0..15) scale by *lo, lanes 4-7 by
  * *hi (equal but for Q6_K, whose 16-wide sub-blocks each have a scale). Every product here is exact
  * in float32 (an 11-bit half times an integer of at most 8 bits), so the AVX2 path shares this. */
-static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *lo, float *hi, float *c) {
-    const uint8_t *blk;
-    int sc, mn;
-    *c = 0.0f;
-    switch (qtype) {
-    case Q4_K: case Q5_K:
-        blk = row + (b >> 3) * block_bytes(qtype);
-        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn);
-        *lo = *hi = half_at(blk) * (float)sc;
-        *c = -(half_at(blk + 2) * (float)mn);
-        return;
-    case Q6_K:
-        blk = row + (b >> 3) * 210;
-        *lo = half_at(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)];
-        *hi = half_at(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)];
-        return;
-    default:
-        blk = row + b * block_bytes(qtype);
-        *lo = *hi = half_at(blk);
-        if (qtype == Q4_1 || qtype == Q5_1) *c = half_at(blk + 2);
-        else if (qtype == Q4_0) *c = -8.0f * *lo;
-        else if (qtype == Q5_0) *c = -16.0f * *lo;
-    }
+#define BLOCK_SCALES_BODY(HALF) \
+{ \
+    const uint8_t *blk; \
+    int sc, mn; \
+    *c = 0.0f; \
+    switch (qtype) { \
+    case Q4_K: case Q5_K: \
+        blk = row + (b >> 3) * block_bytes(qtype); \
+        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn); \
+        *lo = *hi = HALF(blk) * (float)sc; \
+        *c = -(HALF(blk + 2) * (float)mn); \
+        return; \
+    case Q6_K: \
+        blk = row + (b >> 3) * 210; \
+        *lo = HALF(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)]; \
+        *hi = HALF(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)]; \
+        return; \
+    default: \
+        blk = row + b * block_bytes(qtype); \
+        *lo = *hi = HALF(blk); \
+        if (qtype == Q4_1 || qtype == Q5_1) *c = HALF(blk + 2); \
+        else if (qtype == Q4_0) *c = -8.0f * *lo; \
+        else if (qtype == Q5_0) *c = -16.0f * *lo; \
+    } \
 }
+
+static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *lo, float *hi, float *c)
+BLOCK_SCALES_BODY(half_at)
 
 /* ---- activations ---- */
 
@@ -318,32 +322,10 @@ AVX2 static inline float half_f16c(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* block_scales with the F16C conversion (exact too). */
+/* block_scales with the F16C conversion (exact too): the same body, another half-to-float. */
 AVX2 static inline __attribute__((always_inline)) void scales_f16c(const int qtype, const uint8_t *row, int64_t b,
-                                                                   float *lo, float *hi, float *c) {
-    const uint8_t *blk;
-    int sc, mn;
-    *c = 0.0f;
-    switch (qtype) {
-    case Q4_K: case Q5_K:
-        blk = row + (b >> 3) * block_bytes(qtype);
-        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn);
-        *lo = *hi = half_f16c(blk) * (float)sc;
-        *c = -(half_f16c(blk + 2) * (float)mn);
-        return;
-    case Q6_K:
-        blk = row + (b >> 3) * 210;
-        *lo = half_f16c(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)];
-        *hi = half_f16c(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)];
-        return;
-    default:
-        blk = row + b * block_bytes(qtype);
-        *lo = *hi = half_f16c(blk);
-        if (qtype == Q4_1 || qtype == Q5_1) *c = half_f16c(blk + 2);
-        else if (qtype == Q4_0) *c = -8.0f * *lo;
-        else if (qtype == Q5_0) *c = -16.0f * *lo;
-    }
-}
+                                                                   float *lo, float *hi, float *c)
+BLOCK_SCALES_BODY(half_f16c)
 
 /* The lanes' scales times the activation block's: one for all eight, or Q6_K's two halves. */
 AVX2 static inline __m256 lane_scales(const int qtype, float lo, float hi, float xd) {
