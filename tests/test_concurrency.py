@@ -104,7 +104,9 @@ def test_a_full_mesh_answers_busy_and_stays_up():
         # HTTP clients of a full mesh get 429 with Retry-After (the openai library backs off on it)
         long = [start(["--socket", str(a.socket)], PROMPTS[0], 2000) for _ in range(3)]
         try:
-            a.wait_for(lambda s: s["sessions"] == 3, timeout=60, what="three sessions held")
+            # the entry counts a session held before it places its generation in a microbatch: wait for both
+            a.wait_for(lambda s: s["sessions"] == 3 and sum(s["microbatches"]) == 3, timeout=60,
+                       what="three sessions held, each in a microbatch")
             assert sorted(a.status()["microbatches"]) == [1, 2]  # spread over two microbatches (the default)
             r = httpx.post(a.status()["http"][0] + "/v1/completions", timeout=30,
                            json={"prompt": "Hi", "max_tokens": 4})
