@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from meshd.cli.ctl import draft_line, load_line
+from meshd.cli.render import draft_line, load_line
 
 
 def test_meshctl_imports_no_event_loop_no_libp2p_no_torch():

@@ -9,7 +9,8 @@ import sqlite3
 import pytest
 import trio
 
-from meshd.cli.ctl import parse_since, render_ledger
+from meshd.cli.ctl import parse_since
+from meshd.cli.render import render_ledger
 from meshd.entry.errors import GenerationError, HopFailed, outcome_of
 from meshd.entry.state import Generation
 from meshd.node.ledger import DAY_S, Ledger, layer_tokens

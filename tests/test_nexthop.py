@@ -127,7 +127,7 @@ def test_a_pass_reaches_the_next_hop_as_one_batch_and_runs_there_as_one_pass(art
                 nursery.start_soon(tail.serve_stream, Pipe(b))
                 return Channel.over_trio(a)
 
-            head.dial = dial
+            head.outputs.dial = dial
             entry_side, tail_side = trio.testing.memory_stream_pair()  # the entry's stream to the tail
             nursery.start_soon(tail.serve_stream, Pipe(tail_side))
             to_tail = Channel.over_trio(entry_side)
@@ -137,7 +137,7 @@ def test_a_pass_reaches_the_next_hop_as_one_batch_and_runs_there_as_one_pass(art
                 assert isinstance(await to_tail.receive(5), Opened)
                 (opened,) = await head.open_linked(open_msg(sid, 0, 3, next_peer="tail"), home)
                 assert opened.forwarding
-            assert len(head.next_hops) == 1
+            assert len(head.outputs.next_hops) == 1
             tokens: dict[bytes, list[int]] = {sid: [] for sid in sids}
 
             async def step(frames):  # all sessions' frames join the head's scheduler, then one pass
@@ -156,7 +156,7 @@ def test_a_pass_reaches_the_next_hop_as_one_batch_and_runs_there_as_one_pass(art
                             for sid, p in zip(sids, PROMPTS)])
             nursery.cancel_scope.cancel()
         assert [tokens[sid] for sid in sids] == solo
-        link = next(iter(head.next_hops._links.values()))
+        link = next(iter(head.outputs.next_hops._links.values()))
         assert (link.sent_frames, link.sent_outputs) == (STEPS + 1, n * (STEPS + 1))
         assert head.scheduler.stats.passes == tail.scheduler.stats.passes == STEPS + 1
         assert tail.scheduler.stats.largest == n
@@ -173,14 +173,14 @@ def test_a_session_whose_link_broke_is_told_and_forwards_no_more(artifact, compu
             await b.aclose()
             return a
 
-        head.dial = dial
+        head.outputs.dial = dial
         home, entry = channel_pair()
         sid = b"s" * 16
         await head.open_linked(open_msg(sid, 0, 3, next_peer="tail"), home)
         assert await head.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, [1, 2, 3])) == []
         err = await entry.receive(5)
         assert isinstance(err, Error) and err.code == ErrorCode.NEXT_HOP_FAILED
-        assert head.endpoint.sessions.links((sid, 0)).next is None and len(head.next_hops) == 0
+        assert head.endpoint.sessions.links((sid, 0)).next is None and len(head.outputs.next_hops) == 0
 
     trio.run(main)
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from meshd.cli.ctl import mesh_key_line
+from meshd.cli.render import mesh_key_line
 from meshd.cli.main import main as meshd_main
 from meshd.node.settings import load_settings
 from meshd.p2p.host import connect, full_addrs, open_host

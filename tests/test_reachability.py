@@ -3,7 +3,7 @@
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from meshd.cli.ctl import reach_line
+from meshd.cli.render import reach_line
 from meshd.p2p.host import connect, full_addrs, open_host
 from meshd.relay.reachability import (DIALBACK_PROTOCOL, DialBack, Reachability, ReachabilityState, _receive, _send,
                                       dial_candidates)

@@ -9,7 +9,8 @@ import torch
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import EXACT, NATIVE
-from meshd.shard.runtime import PASS, SCORE, STEPS, Shard
+from meshd.shard.batch import PASS, SCORE, STEPS
+from meshd.shard.runtime import Shard
 from tests import tiny_models
 
 QT = tiny_models.gguf.GGMLQuantizationType

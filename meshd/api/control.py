@@ -93,7 +93,7 @@ class ControlServer:
             await channel.send(error_event(msg.request_id, ErrorCode.BUSY, f"this daemon is {d.lifecycle}, not serving"))
             return
         if msg.exit:
-            d.request_stop("meshctl drain --exit")
+            d.stopping.request("meshctl drain --exit")
         await d.drain("meshctl drain", d.settings.drain_timeout if msg.exit else None)
         await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=d.status()))
 

@@ -17,7 +17,8 @@ import torch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
 from meshd.hop.sessions import HopSession, SessionTable
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
-from meshd.shard.runtime import PASS, SCORE, STEPS, Shard
+from meshd.shard.batch import PASS, SCORE, STEPS
+from meshd.shard.runtime import Shard
 from meshd.shard.sampler import Sampler, SamplingParams
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Tensor,
                         Token)

@@ -6,32 +6,31 @@ sessions waiting at once share one forward pass (`meshd/hop/scheduler.py` choose
 hidden states go straight to the next hop when the entry names one this daemon can reach (one
 transfer a hop a token), its tokens and errors to the stream it was opened on. The outputs of one
 pass that go to the same next daemon leave as one `ForwardBatch` on a link shared by all those
-sessions (`meshd/hop/links.py`). Where each session's outputs go is its record's `links`
-(`meshd/hop/sessions.py`); every failure goes back as an `Error` frame.
+sessions (`meshd/hop/links.py`). Where each session's outputs go is `meshd/hop/outputs.py`'s; every
+failure goes back as an `Error` frame.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from meshd.hop.due import DueFrames
 from meshd.hop.endpoint import ShardEndpoint
-from meshd.hop.links import Links, NextHop, NextHops
+from meshd.hop.links import NextHop
+from meshd.hop.outputs import Outputs
 from meshd.hop.passes import PassStats, route_outputs
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.log import get_logger
-from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.p2p.channel import Channel
 from meshd.wire import Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase
 
 if TYPE_CHECKING:
     from meshd.node.compute import ComputeExecutor
-
-DIAL_TIMEOUT = 10.0  # reaching the next hop of a session
 
 log = get_logger(__name__)
 
@@ -57,8 +56,7 @@ class ShardService:
         self.due = DueFrames()  # frames said to be on their way (`expect`)
         self._arrived = trio.Event()  # set by each submit while a pass waits for due frames
         self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
-        self.dial: Callable[[str, list[str]], Awaitable[Channel]] | None = None  # a stream to a peer (daemon)
-        self.next_hops = NextHops(lambda peer, addrs: self.dial(peer, addrs))
+        self.outputs = Outputs(endpoint.sessions)  # where each session's outputs go (`dial` set by the slot)
 
     async def handle(self, msg: Message) -> list[Message]:
         """Answer one message: a Forward joins the next pass it can, the rest run in order."""
@@ -66,7 +64,7 @@ class ShardService:
             return await self._forward(msg)
         if isinstance(msg, (Close, Cancel)):
             self._cancel((msg.session_id, msg.epoch))
-            await self._unlink((msg.session_id, msg.epoch))
+            await self.outputs.unlink((msg.session_id, msg.epoch))
         return await self.compute.run(self.endpoint.handle, msg)
 
     async def open_linked(self, msg: OpenSession, home: Channel) -> list[Message]:
@@ -80,83 +78,27 @@ class ShardService:
         key = (msg.session_id, msg.epoch)
         stale = self.endpoint.sessions.links(key)  # a reopened session starts afresh
         replies = await self.handle(msg)
-        if stale is not None and stale.next is not None:
-            await self.next_hops.release(stale.next)
+        await self.outputs.let_go(stale)
         session = self.endpoint.sessions.get(key)
         if not replies or not isinstance(replies[0], Opened) or session is None:
             return replies
-        links = session.links = Links(home)
         session.requester = getattr(home, "peer", "")
-        if msg.next_peer and self.dial is not None:
-            try:
-                with trio.fail_after(DIAL_TIMEOUT):
-                    links.next = await self.next_hops.acquire(msg.next_peer, msg.next_addrs.split())
-            except Exception as exc:  # unreachable from here (NAT, firewall): the sender relays instead
-                log.info("next hop unreachable, outputs go back to the sender", peer=msg.next_peer[-8:],
-                         error=f"{type(exc).__name__}: {exc}")
-        return [replace(replies[0], forwarding=links.next is not None)]
+        return [replace(replies[0], forwarding=await self.outputs.link(key, msg, home))]
 
     async def forward_outputs(self, key: tuple[bytes, int], peer: str, addrs, home) -> None:
         """Send session `key`'s outputs to `peer` over the link shared with the other sessions going
         there (the entry's own layers use this for its first hop); `home` hears of a broken link."""
-        session = self.endpoint.sessions.get(key)
-        if session is None:
-            raise KeyError(f"session {key[0].hex()[:12]} is not open here")
-        link = await self.next_hops.acquire(peer, list(addrs))
-        await self._unlink(key)
-        session.links = Links(home, next=link)
+        await self.outputs.forward_to(key, peer, addrs, home)
 
     async def deliver(self, msg: Message, reply: Message, channel: Channel) -> None:
         """Send a reply to its session's home stream (tokens, errors, and hidden states when this hop
-        does not forward: those for a next hop left with their pass, see `_queue_forwards`); replies
-        for frames of no linked session go back on the stream they came from."""
-        links = self.endpoint.sessions.links((getattr(msg, "session_id", b""), getattr(msg, "epoch", -1)))
-        if links is None:
-            await channel.send(reply)
-            return
-        try:
-            await links.home.send(reply)
-        except ChannelClosed:
-            if links.home is channel:
-                raise
-            # the entry is gone: its stream's end releases the session
+        does not forward: those for a next hop left with their pass)."""
+        await self.outputs.deliver(msg, reply, channel)
 
     def _cancel(self, key: tuple[bytes, int]) -> None:
         """Drop a session's waiting work; its waiters get no output (they must not wait on)."""
         for work in self.scheduler.cancel(key):
             work.output, work.done = [], True
-
-    async def _flush(self, hops) -> None:
-        """Send what waits on these links; the sessions whose frames a broken link lost are told
-        (their entries reroute) and forward no more over it. Not cancelled half-way: the frames
-        queued there are other sessions' too (every send is bounded by its own timeout)."""
-        with trio.CancelScope(shield=True):
-            await self._flush_now(hops)
-
-    async def _flush_now(self, hops) -> None:
-        for hop in hops:
-            failed = await hop.flush()
-            for frame in failed:
-                links = self.endpoint.sessions.links((frame.session_id, frame.epoch))
-                if links is None:
-                    continue
-                if links.next is hop:
-                    links.next = None
-                    await self.next_hops.release(hop)
-                try:
-                    await links.home.send(Error(code=ErrorCode.NEXT_HOP_FAILED, retriable=True,
-                                                session_id=frame.session_id,
-                                                message=f"next hop {hop.peer[-8:]} unreachable: {hop.broken}"))
-                except ChannelClosed:
-                    pass  # the entry is gone: its stream's end releases the session
-
-    async def _unlink(self, key: tuple[bytes, int]) -> None:
-        session = self.endpoint.sessions.get(key)
-        links = session.links if session is not None else None
-        if links is not None:
-            session.links = None
-            if links.next is not None:
-                await self.next_hops.release(links.next)
 
     def submit(self, msg: Forward) -> Work | Error:
         """Queue a Forward frame for the next pass it can join (at once, without waiting), or the
@@ -225,7 +167,7 @@ class ShardService:
             woken, self._step_done = self._step_done, trio.Event()
             woken.set()
         if hops:  # the next pass may start meanwhile: its outputs queue behind these
-            await self._flush(hops)
+            await self.outputs.flush(hops)
 
     def expect(self, key: tuple[bytes, int], group: tuple = (), size: int = 0) -> None:
         """Say that a session's next frame is on its way (its entry just got the token it answers),
@@ -247,7 +189,7 @@ class ShardService:
         """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
         self.due.arrived(key)
         self._cancel(key)
-        await self._unlink(key)
+        await self.outputs.unlink(key)
         await self.compute.run(self.endpoint.release, key)
 
     async def serve_stream(self, stream) -> None:

@@ -33,12 +33,12 @@ from meshd.entry.policy import choose_entry
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.compute import ComputeExecutor
 from meshd.node.ledger import Ledger
-from meshd.node.lifecycle import Lifecycle, State
+from meshd.node.lifecycle import Lifecycle, State, StopRequest
 from meshd.node.log import get_logger
 from meshd.node.model import open_model
 from meshd.node.relaying import Relaying
 from meshd.node.settings import Settings
-from meshd.node.slot import Slot, forget_shard, open_slot
+from meshd.node.slot import Slot, evict_loop, forget_shard, open_slot
 from meshd.node.status import daemon_status
 from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
@@ -55,12 +55,11 @@ class Daemon:
     """One meshd node: wires its host, mesh view, slot, APIs and lifecycle; the parts hold the logic."""
 
     def __init__(self, settings: Settings, compute: ComputeExecutor) -> None:
-        self.settings = settings
-        self.compute = compute
+        self.settings, self.compute = settings, compute
         key = settings.mesh_key()  # refused here, before anything starts, when it is unusable
         self.pnet = Pnet(key) if key else None  # a private mesh: its key and the connections refused
         self.lifecycle = Lifecycle()
-        self.stop_requested: trio.Event | None = None
+        self.stopping = StopRequest()
         self.started_at = time.time()
         self.slot: Slot | None = None  # the range this daemon serves, and what serves it
         self.host = self.mesh = self.reach = None
@@ -68,13 +67,11 @@ class Daemon:
         self.punch: HolePuncher | None = None  # upgrades relayed connections to direct ones (--hole-punch)
         self.active_generations = 0
         self.answering = 0  # forwarded requests whose answer is not yet out (a drain waits for them)
-        self.throughput = 0.0  # layer-steps per second, measured once loaded
         self.artifact = self.recipe = None
         self.metrics = Metrics(self)
         self.http_addrs: list[str] = []
         self.dialer: Dialer | None = None  # every connection and stream to another peer
         self.ledger = Ledger(None)  # the work ledger (opened in run; this one keeps nothing)
-        self._drain_scope = trio.CancelScope()
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
         self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
 
@@ -84,13 +81,11 @@ class Daemon:
         return self.slot.entry if self.slot else None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        self.stop_requested = trio.Event()
-        self.trio_token = trio.lowlevel.current_trio_token()
+        """Open the model, come up on the network, join the mesh, serve a range until asked to stop, leave."""
+        self.stopping.arm()
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
-        cfg = self.artifact.config
         s.speculate_on  # noqa: B018 -- a bad --speculate or --draft-max is refused before joining
-        relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
         async with open_host(key_pair, s.listen, self.pnet) as host:
@@ -102,82 +97,80 @@ class Daemon:
             async with (background_trio_service(dht),
                         background_trio_service(self.punch) if self.punch else nullcontext(),
                         trio.open_nursery() as nursery):
-                pid = host.get_id().to_base58()
-                start, end = fixed or (0, 1)
-                record = CoverageRecord(peer_id=pid, addrs=tuple(dialable_addrs(host)), model=self.artifact.fingerprint,
-                                        recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
-                                        model_name=self.artifact.name, serving=False, seq=first_seq())
-                self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.dialer.ensure_connected)
-                self.mesh.walker.client.dial = self.dialer.dial_known
-                self.reach = Reachability(host, peers=self.dialer.mesh_peers, pnet=self.pnet)
-                host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
-                nursery.start_soon(self.reach.run)
-                self.relaying = Relaying(s, host, self.reach, self.mesh, self.dialer, on_change=self._relays_changed)
-                self.relaying.start(nursery)
-                control = ControlServer(self, s.socket_path)
-                await nursery.start(control.serve)
-                if s.http:
-                    app = HttpApi(self, control.generate, self.metrics, s.bearer_token())
-                    self.http_addrs = await nursery.start(serve_http, app, check_bind(s.http))
-                    log.info("http api up", addrs=self.http_addrs, token=bool(app.token))
-                log.info("daemon up", peer_id=pid, addrs=dialable_addrs(host), socket=str(s.socket_path),
-                         mesh=f"private, key {self.pnet.fingerprint}" if self.pnet else "open")
-                if s.bootstrap:
-                    reached = await self.mesh.connect_bootstrap(s.bootstrap)
-                    if not reached:
-                        log.error("no bootstrap peer reachable; serving alone until one dials in")
-                if fixed is None:
-                    self.lifecycle.to(State.CHOOSING)
-                    self.rebalancer = Rebalancer(self, s.layers_wanted(cfg.n_layers,
-                                                                       largest_layer_bytes(self.artifact, self.recipe)))
-                    start, end = await choose_first_range(self.mesh, self.rebalancer.want, self.artifact, self.recipe,
-                                                          s.memory)
-                self.mesh.record = replace(self.mesh.record, start=start, end=end,
-                                           auto_layers=self.rebalancer.want if self.rebalancer else 0)
-                await self.mesh.publish(**self._relay_fields())
-                if self.rebalancer:  # another daemon may have claimed the same layers at the same moment
-                    start, end = await self.rebalancer.settle_claim()
-                nursery.start_soon(self.mesh.publish_loop, self.live_fields)
-                nursery.start_soon(self.mesh.coverage_loop)
-                if not relay_only:
-                    self.lifecycle.to(State.LOADING)
-                    self.switch_to(await self.open_range(start, end))
-                    nursery.start_soon(self._evict_loop)
-                    nursery.start_soon(self.intake.trim_loop)
-                    if self.rebalancer:
-                        nursery.start_soon(self.rebalancer.run)
-                    host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
-                    host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
-                    await self.mesh.publish(serving=True, **self.live_fields())
+                control = await self._come_up(dht, key_pair, fixed, nursery)
+                start, end = await self._join(fixed, nursery)
+                if fixed != (0, 0):  # --layers none: a bootstrap and relay that holds no layers
+                    await self._serve(start, end, control, nursery)
                 self.lifecycle.to(State.SERVING)
-                log.info("serving", layers=f"{start}:{end}" if not relay_only else "none (relay and bootstrap only)",
+                log.info("serving", layers=f"{start}:{end}" if self.slot else "none (relay and bootstrap only)",
                          load_s=round(self.slot.shard.load_seconds, 2) if self.slot else 0.0,
                          throughput=round(self.throughput, 1))
                 task_status.started()
-                await self.stop_requested.wait()
-                with self._drain_scope:  # a second stop request cancels the wait
+                await self.stopping.event.wait()
+                with self.stopping.drain_scope:  # a second stop request cancels the wait
                     await self.drain("stop", self.settings.drain_timeout)
                 self.lifecycle.to(State.STOPPING)
                 log.info("stopping: withdrawing record")
                 await self.mesh.withdraw()
                 nursery.cancel_scope.cancel()
 
-    def _relay_fields(self) -> dict:
-        return self.relaying.record_fields() if self.relaying else {"relay": False, "relay_addrs": ()}
+    async def _come_up(self, dht, key_pair, fixed, nursery) -> ControlServer:
+        """The mesh view (with a record not yet published), reachability, relays and the local APIs."""
+        s, host, cfg = self.settings, self.host, self.artifact.config
+        pid = host.get_id().to_base58()
+        start, end = fixed or (0, 1)
+        record = CoverageRecord(peer_id=pid, addrs=tuple(dialable_addrs(host)), model=self.artifact.fingerprint,
+                                recipe=self.recipe_fp, start=start, end=end, n_layers=cfg.n_layers,
+                                model_name=self.artifact.name, serving=False, seq=first_seq())
+        self.mesh = MeshView(host, dht, key_pair, record, s.record_ttl, dial=self.dialer.ensure_connected)
+        self.mesh.walker.client.dial = self.dialer.dial_known
+        self.reach = Reachability(host, peers=self.dialer.mesh_peers, pnet=self.pnet)
+        host.set_stream_handler(DIALBACK_PROTOCOL, self.reach.serve_stream)
+        nursery.start_soon(self.reach.run)
+        self.relaying = Relaying(s, host, self.reach, self.mesh, self.dialer, on_change=lambda: self.mesh.publish(**self.live_fields()))
+        self.relaying.start(nursery)
+        control = ControlServer(self, s.socket_path)
+        await nursery.start(control.serve)
+        if s.http:
+            app = HttpApi(self, control.generate, self.metrics, s.bearer_token())
+            self.http_addrs = await nursery.start(serve_http, app, check_bind(s.http))
+            log.info("http api up", addrs=self.http_addrs, token=bool(app.token))
+        log.info("daemon up", peer_id=pid, addrs=dialable_addrs(host), socket=str(s.socket_path),
+                 mesh=f"private, key {self.pnet.fingerprint}" if self.pnet else "open")
+        return control
 
-    async def _relays_changed(self) -> None:
-        await self.mesh.publish(**self.live_fields())
+    async def _join(self, fixed, nursery) -> tuple[int, int]:
+        """Reach the bootstrap peers, choose a range (the operator's, or with --layers auto the one
+        the mesh lacks most), publish the record and keep it published. The range."""
+        s = self.settings
+        if s.bootstrap and not await self.mesh.connect_bootstrap(s.bootstrap):
+            log.error("no bootstrap peer reachable; serving alone until one dials in")
+        start, end = fixed or (0, 1)
+        if fixed is None:
+            self.lifecycle.to(State.CHOOSING)
+            self.rebalancer = Rebalancer(self, s.layers_wanted(self.artifact.config.n_layers,
+                                                               largest_layer_bytes(self.artifact, self.recipe)))
+            start, end = await choose_first_range(self.mesh, self.rebalancer.want, self.artifact, self.recipe, s.memory)
+        self.mesh.record = replace(self.mesh.record, start=start, end=end,
+                                   auto_layers=self.rebalancer.want if self.rebalancer else 0)
+        await self.mesh.publish(**self.relaying.record_fields())
+        if self.rebalancer:  # another daemon may have claimed the same layers at the same moment
+            start, end = await self.rebalancer.settle_claim()
+        nursery.start_soon(self.mesh.publish_loop, self.live_fields)
+        nursery.start_soon(self.mesh.coverage_loop)
+        return start, end
 
-    async def _evict_loop(self, period_s: float = 30.0) -> None:
-        """Free the KV of sessions idle past their TTL (--session-idle), so a vanished entry, or one that
-        keeps sessions with no use, cannot hold memory."""
-        period_s = min(period_s, max(1.0, self.settings.session_idle / 4))
-        while True:
-            await trio.sleep(period_s)
-            evicted = await self.compute.run(self.slot.service.endpoint.evict_expired)
-            if evicted:
-                log.info("evicted idle sessions", count=len(evicted))
-            await trio.to_thread.run_sync(self.ledger.roll_up)
+    async def _serve(self, start: int, end: int, control: ControlServer, nursery) -> None:
+        """Load the range, take other daemons' sessions and generations, and say so in the record."""
+        self.lifecycle.to(State.LOADING)
+        self.switch_to(await self.open_range(start, end))
+        nursery.start_soon(evict_loop, self.compute, lambda: self.slot, self.ledger, self.settings.session_idle)
+        nursery.start_soon(self.intake.trim_loop)
+        if self.rebalancer:
+            nursery.start_soon(self.rebalancer.run)
+        self.host.set_stream_handler(SHARD_PROTOCOL, self._serve_shard_stream)
+        self.host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
+        await self.mesh.publish(serving=True, **self.live_fields())
 
     async def drain(self, reason: str, timeout: float | None = None) -> None:
         """Leave the mesh gently: refuse new sessions from other daemons, withdraw the record (peers
@@ -199,37 +192,27 @@ class Daemon:
                 await trio.sleep(DRAIN_POLL_S)
         log.info("drained", left_sessions=len(endpoint.sessions), seconds=round(time.monotonic() - t0, 2))
 
-    def request_stop(self, reason: str) -> None:
-        """Thread-safe: ask the daemon to drain, withdraw its record and stop; asked again while
-        it drains, it stops at once."""
-        def stop() -> None:
-            log.info("stop requested", reason=reason)
-            if self.stop_requested is not None:
-                if self.stop_requested.is_set():
-                    self._drain_scope.cancel()
-                self.stop_requested.set()
-
-        try:
-            self.trio_token.run_sync_soon(stop)
-        except (AttributeError, trio.RunFinishedError):
-            pass
-
     # what the rebalancer asks of its daemon (meshd/dht/rebalancer.py, `Placed`)
 
     def fit(self, start: int, end: int) -> tuple[int, int]:
         """The range cut to --memory: the head's embedding and the tail's LM head come on top of the layers."""
         return fit_range(self.artifact, self.recipe, start, end, self.settings.memory)
 
+    @property
+    def throughput(self) -> float:
+        """Layer-steps per second: measured on real decode steps once there are some, else at load."""
+        if self.slot is None:
+            return 0.0
+        return self.slot.service.stats.decode_layer_rate or self.slot.throughput
+
     def live_fields(self) -> dict:
-        """Record fields that change while serving: throughput (measured on real decode steps once
-        there are some), free session capacity and load (share of the KV budget in use)."""
-        relay = self._relay_fields()
+        """Record fields that change while serving: throughput, free session capacity and load (share
+        of the KV budget in use), and the relay this daemon offers or goes through."""
+        relay = self.relaying.record_fields()
         if self.slot is None:
             return relay
-        service, kv = self.slot.service, self.slot.shard.kv
-        if service.stats.decode_layer_rate:
-            self.throughput = service.stats.decode_layer_rate
-        return {"throughput": self.throughput, "free_sessions": service.endpoint.free_sessions(),
+        kv = self.slot.shard.kv
+        return {"throughput": self.throughput, "free_sessions": self.slot.service.endpoint.free_sessions(),
                 "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}
 
     async def open_range(self, start: int, end: int) -> Slot:
@@ -247,7 +230,7 @@ class Daemon:
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
                                speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger)
-        old, self.slot, self.throughput = self.slot, slot, slot.throughput
+        old, self.slot = self.slot, slot
         return old
 
     async def forget(self) -> None:
@@ -290,9 +273,9 @@ def run_daemon(settings: Settings) -> int:
             compute.stop()
 
     def on_signal(signum, frame) -> None:
-        if daemon.stop_requested is None or daemon.lifecycle.stops_at_once:
+        if not daemon.stopping.armed or daemon.lifecycle.stops_at_once:
             raise KeyboardInterrupt
-        daemon.request_stop(signal.Signals(signum).name)
+        daemon.stopping.request(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -301,7 +284,7 @@ def run_daemon(settings: Settings) -> int:
     try:
         compute.serve()
     except KeyboardInterrupt:
-        daemon.request_stop("interrupt")
+        daemon.stopping.request("interrupt")
         loop.join(timeout=10)
         return 130 if not failure else 1
     loop.join()

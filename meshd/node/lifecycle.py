@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from enum import Enum
 
+import trio
+
+from meshd.node.log import get_logger
+
+log = get_logger(__name__)
+
 
 class State(str, Enum):
     STARTING = "starting"  # identity, host, the control socket
@@ -82,3 +88,34 @@ class Lifecycle:
 
     def __str__(self) -> str:
         return str(self.state)
+
+
+class StopRequest:
+    """A stop asked for from any thread (a signal, `meshctl drain --exit`): the first one makes the
+    daemon drain and leave, a second one while it drains cuts the drain short."""
+
+    def __init__(self) -> None:
+        self.event: trio.Event | None = None  # set once asked (None until the event loop runs)
+        self.drain_scope = trio.CancelScope()  # a drain runs inside it; a second request cancels it
+        self._token = None
+
+    def arm(self) -> None:
+        """Called on the event loop once it runs; a request before that cannot be taken."""
+        self.event, self._token = trio.Event(), trio.lowlevel.current_trio_token()
+
+    @property
+    def armed(self) -> bool:
+        return self.event is not None
+
+    def request(self, reason: str) -> None:
+        """Thread-safe: ask for the stop (asked again while it drains: stop at once)."""
+        def stop() -> None:
+            log.info("stop requested", reason=reason)
+            if self.event.is_set():
+                self.drain_scope.cancel()
+            self.event.set()
+
+        try:
+            self._token.run_sync_soon(stop)
+        except (AttributeError, trio.RunFinishedError):
+            pass

@@ -9,12 +9,17 @@ import gc
 import time
 from dataclasses import dataclass
 
+import trio
+
 from meshd.entry.generation import Entry
 from meshd.hop.endpoint import ShardEndpoint
 from meshd.hop.scheduler import Scheduler
 from meshd.hop.service import ShardService
+from meshd.node.log import get_logger
 from meshd.shard.footprint import check_fits, trim_heap
 from meshd.shard.runtime import Shard
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -49,7 +54,7 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
     endpoint.ledger = ledger
     service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
     service.stats.on_step = metrics.observe_pass
-    service.dial = dial
+    service.outputs.dial = dial
     service.gather_s = settings.gather_ms / 1000
     throughput = await compute.run(measure_throughput, shard)
     return Slot(shard, tokenizer, service, throughput)
@@ -77,3 +82,16 @@ def forget_shard() -> None:
     """Give a dropped shard's memory back to the system (compute thread)."""
     gc.collect()
     trim_heap()
+
+
+async def evict_loop(compute, slot_of, ledger, session_idle: float, period_s: float = 30.0) -> None:
+    """Free the KV of sessions idle past their TTL (--session-idle), so a vanished entry, or one that
+    keeps sessions with no use, cannot hold memory; roll the ledger's old rows up as it goes.
+    `slot_of()` is the daemon's slot at that moment (a move replaces it)."""
+    period_s = min(period_s, max(1.0, session_idle / 4))
+    while True:
+        await trio.sleep(period_s)
+        evicted = await compute.run(slot_of().service.endpoint.evict_expired)
+        if evicted:
+            log.info("evicted idle sessions", count=len(evicted))
+        await trio.to_thread.run_sync(ledger.roll_up)

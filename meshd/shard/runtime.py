@@ -19,9 +19,9 @@ from meshd.node.log import get_logger
 from meshd.shard import gemma3, gpt2, llama, mixtral, qwen3, rope
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
-from meshd.shard.kv import CacheMiss, KVBudgetExceeded, KVStore
+from meshd.shard.batch import PASS, run_jobs
+from meshd.shard.kv import KVStore
 from meshd.shard.recipe import EXACT, Recipe
-from meshd.shard.rows import Rows
 
 @dataclass(frozen=True, slots=True)
 class Owns:
@@ -32,18 +32,8 @@ class Owns:
     lm_head: bool  # ...and the LM head, and returns logits
 
 
-def plain_error(exc: Exception) -> Exception:
-    """The same error without its traceback: a raised exception's traceback holds the frames it
-    passed, here the batch's, with every job's input tensors, in a cycle (results -> exception ->
-    traceback -> frame -> results) that only the cyclic collector frees; a frame of 62 MB stayed
-    until it ran."""
-    return type(exc)(*exc.args)
-
-
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3}
 DEFAULT_KV_BUDGET = 1 << 30
-PASS, STEPS, SCORE = "pass", "steps", "score"  # kinds of job of `Shard.forward_batch`
-KINDS = (PASS, STEPS, SCORE)
 log = get_logger(__name__)
 
 
@@ -200,87 +190,10 @@ class Shard:
 
     def forward_batch(self, jobs: list[tuple]) -> list[torch.Tensor | Exception]:
         """`forward` for several sessions in one pass: (key, x, position) each, or (key, x, position,
-        kind), at most one job a session. `kind` PASS (a prompt chunk), STEPS (positions computed as
-        one-position decode steps would compute them, bit for bit) or SCORE (as STEPS, and the tail
-        returns the logits of every position, [n, vocab]). Their rows go through the layers stacked
-        (see `rows.Rows`), so each result is bit for bit what the session gets alone. A job that
-        cannot run (unknown session, bad input, KV budget full) gets its exception in its place (a
-        `plain_error`: refused work holds no memory once its reply is out); the others run."""
-        results: list[torch.Tensor | Exception | None] = [None] * len(jobs)
-        groups: dict[tuple[int, int], list[tuple]] = {}
-        with torch.inference_mode():
-            seen = set()
-            for i, (key, x, position, *rest) in enumerate(jobs):
-                try:
-                    kind = rest[0] if rest else PASS
-                    if kind not in KINDS:
-                        raise ValueError(f"unknown kind of pass {kind!r}")
-                    if key in seen:
-                        raise ValueError(f"session {key!r} appears twice in one batch")
-                    seen.add(key)
-                    first, last = self._ranges.get(key, (self.start, self.end))
-                    h = self._input(x, first, position)  # checked first: refused input keeps no session alive
-                    kv = self.kv.get(key)
-                    kv.reserve(position, h.shape[1])
-                    groups.setdefault((first, last), []).append((i, kv, h, position, kind))
-                except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
-                    results[i] = plain_error(exc)
-            for (first, last), members in groups.items():  # sessions entering or leaving mid-range apart
-                self._run(first, last, members, results)
-        return results  # type: ignore[return-value]
+        kind), at most one job a session; each result is bit for bit what the session gets alone, and a
+        job that cannot run gets its exception in its place (see `meshd/shard/batch.py`)."""
+        return run_jobs(self, jobs)
 
-    def _input(self, x: torch.Tensor, first: int, position: int) -> torch.Tensor:
-        """A job's input as the first layer takes it: embedded token ids, or hidden states."""
-        if first == 0:
-            if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"the head takes token ids [1, n], got {x.dtype} {tuple(x.shape)}")
-            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab):
-                raise ValueError(f"token ids must be in [0, {self.config.vocab})")
-            h = self.family.embed(self.head, x.long(), position, self.recipe.torch_compute)
-        else:
-            if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden:
-                raise ValueError(f"expected hidden states [1, n, {self.config.hidden}], got {tuple(x.shape)}")
-            if x.dtype not in (self.recipe.torch_wire, self.recipe.torch_compute):  # never converted: refused
-                raise ValueError(f"expected hidden states in {self.recipe.wire_dtype} (recipe {self.recipe.name}),"
-                                 f" got {str(x.dtype).removeprefix('torch.')}")
-            h = x.to(self.recipe.torch_compute)
-        if h.shape[1] == 0:
-            raise ValueError("nothing to run: zero positions")
-        return h
-
-    def _segments(self, members: list) -> list[tuple[object, int, int]]:
-        """(kv, position, n) per segment of the pass. Where a pass of many positions rounds
-        differently from one-position steps (torch's float matmuls pick their kernel by row count,
-        its attention by query count), a STEPS or SCORE job goes as one segment a position, which
-        every layer computes as the decode step of that position (`rows.Rows`)."""
-        parts = []
-        for _, kv, h, position, kind in members:
-            n = h.shape[1]
-            if kind != PASS and n > 1 and not self.passes_equal_steps:
-                parts.extend((kv, position + j, 1) for j in range(n))
-            else:
-                parts.append((kv, position, n))
-        return parts
-
-    def _run(self, first: int, last: int, members: list, results: list) -> None:
-        rows = Rows.stack(self._segments(members))
-        h = torch.cat([m[2] for m in members], dim=1) if len(members) > 1 else members[0][2]
-        for li, layer in enumerate(self.layers[first - self.start:last - self.start]):
-            h = self.family.layer_forward(layer, h, self.config, self.rotary, rows, li)
-        spans, row = [], 0  # each member's rows [row, row + n)
-        for _, kv, mh, position, _ in members:
-            kv.commit(position + mh.shape[1])
-            spans.append((row, mh.shape[1]))
-            row += mh.shape[1]
-        if last != self.config.n_layers:
-            for (i, *_), (r, n) in zip(members, spans):
-                results[i] = h if len(members) == 1 else h[:, r:r + n]
-            return
-        picked = [range(r, r + n) if m[4] == SCORE else range(r + n - 1, r + n) for m, (r, n) in zip(members, spans)]
-        flat = [r for rs in picked for r in rs]
-        x = h[:, -1:] if flat == [h.shape[1] - 1] else h[:, flat]
-        logits = self.family.final(self.tail, x, self.config, Rows.stack([(None, 0, 1)] * len(flat))).float()
-        at = 0
-        for m, rs in zip(members, picked):
-            results[m[0]] = logits[0, at:at + len(rs)] if m[4] == SCORE else logits[0, at]
-            at += len(rs)
+    def session_range(self, key: Hashable) -> tuple[int, int]:
+        """The layers [first, last) a session runs here (all of the shard's unless it opened fewer)."""
+        return self._ranges.get(key, (self.start, self.end))
