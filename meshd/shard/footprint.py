@@ -43,6 +43,17 @@ def _tensor_bytes(artifact, name: str, recipe, role: str) -> int:
     return 4 * n if role == "table" else artifact.stored_bytes(name)
 
 
+def table_is_lm_head(artifact, recipe, name: str) -> bool:
+    """Whether a tied embedding table serves as the LM head too (`llama.lm_head`): in float32, and in
+    the native lane where the table stays as GGUF blocks the kernel multiplies."""
+    if recipe.weight_dtype == "float32":
+        return True
+    if recipe.weight_dtype != "stored" or artifact.kind != "gguf":
+        return False
+    qtype = artifact.tensor_qtype(name)
+    return qtype not in (None, *quant.STORED_FLOATS) and blocks.available(qtype)
+
+
 def _globals(family, artifact) -> dict[str, str]:
     if artifact.config.family == "gpt2":
         return family.global_names(artifact)
@@ -61,7 +72,7 @@ def layer_bytes(artifact, recipe, i: int) -> int:
 
 def weight_bytes(artifact, recipe, start: int, end: int) -> int:
     """Bytes of weights a shard over [start, end) holds: its layers, the embedding at the head,
-    the final norm and LM head at the tail (a tied head shares the table only in float32)."""
+    the final norm and LM head at the tail (a tied LM head on a shard that is both is the table itself)."""
     from meshd.shard.runtime import FAMILIES
 
     family, cfg = FAMILIES[artifact.config.family], artifact.config
@@ -75,8 +86,7 @@ def weight_bytes(artifact, recipe, start: int, end: int) -> int:
     if end == cfg.n_layers:
         norms = [g[k] for k in ("final_norm", "norm_w", "norm_b") if k in g]
         total += sum(4 * artifact.tensor_elements(n) for n in norms)
-        shared = start == 0 and g["lm_head"] == g["embed"] and recipe.weight_dtype == "float32"
-        if not shared:
+        if not (start == 0 and g["lm_head"] == g["embed"] and table_is_lm_head(artifact, recipe, g["embed"])):
             total += _tensor_bytes(artifact, g["lm_head"], recipe, "matrix")
     return total
 
@@ -93,7 +103,7 @@ def owned_artifact_bytes(artifact, start: int, end: int) -> int:
         names += [g["embed"]] + ([g["pos_embed"]] if "pos_embed" in g else [])
     if end == cfg.n_layers:
         names += [g[k] for k in ("final_norm", "norm_w", "norm_b", "lm_head") if k in g]
-    return sum(artifact.stored_bytes(n) for n in names)
+    return sum(artifact.stored_bytes(n) for n in dict.fromkeys(names))  # a tied table is stored once
 
 
 def staging_bytes(artifact) -> int:
