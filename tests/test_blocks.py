@@ -31,9 +31,10 @@ def weight(qt: QT, rows: int, cols: int, seed: int = 0) -> tuple[blocks.BlockWei
     return blocks.BlockWeight.from_raw(qt, raw, cols), dequantize(raw, qt).reshape(rows, cols).astype(np.float64)
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """The kernel's activations as numbers: per row and 32-block, d = max|x| / 127, q = round(x / d)."""
-    g = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def quantized_activations(x: np.ndarray, qt: QT = QT.Q8_0) -> np.ndarray:
+    """The kernel's activations as numbers: per row and block, d = max|x| / 127, q = round(x / d);
+    a block is 32 wide, or a super-block's 256 for a K-type weight."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, 256 if qt in K_HALVES else 32)
     d = np.abs(g).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
     q = np.clip(np.rint(g * inv), -127, 127)
@@ -46,7 +47,7 @@ def test_products_equal_the_dequantized_blocks_times_the_quantized_activations(q
     w, ref = weight(qt, 70, 512)  # 70 rows: a last strip of two, and unequal thread shares
     x = torch.randn(m, 512) * 3
     y = w.mm(x).double().numpy()
-    expected = quantized_activations(x.numpy()) @ ref.T
+    expected = quantized_activations(x.numpy(), qt) @ ref.T
     # only float32 rounding is left once the activations are quantized as the rule says
     assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max(), np.abs(y - expected).max()
     # and the quantization itself costs about half a step of 8 bits
@@ -96,7 +97,7 @@ def test_extreme_codes_and_scales_stay_exact(qt):
         w = blocks.BlockWeight.from_raw(qt, raw, 512)
         ref = dequantize(raw, qt).reshape(6, 512).astype(np.float64)
         x = torch.where(torch.arange(512) % 3 == 0, -50.0, 50.0).repeat(3, 1)
-        expected = quantized_activations(x.numpy()) @ ref.T
+        expected = quantized_activations(x.numpy(), qt) @ ref.T
         y = w.mm(x).double().numpy()
         assert np.abs(y - expected).max() <= 1e-5 * max(np.abs(expected).max(), 1.0)
         assert torch.equal(blocks.BlockWeight(qt, w.data, 6, 512, portable=True).mm(x), w.mm(x))

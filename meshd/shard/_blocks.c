@@ -49,6 +49,15 @@ typedef struct {
     int8_t q[QK];
 } XBlock;
 
+/* K types' activations: one block per 256-wide super-block, d = max|x| / 127 as for 32-blocks, and
+ * the sums of q per 16 elements, so a sub-block's min (Q4_K, Q5_K) or Q6_K's code offset of 32 is
+ * one small integer dot product per super-block. */
+typedef struct {
+    float d;
+    int16_t sums[16]; /* sum of q over elements 16i..16i+15 */
+    int8_t q[QKK];
+} XKBlock;
+
 /* ---- halves, exactly ---- */
 
 static float f16_to_f32(uint16_t h) {
@@ -170,6 +179,30 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, XBlock *out) {
     }
 }
 
+static void quantize_rows_k(const float *x, int64_t m, int64_t k, XKBlock *out) {
+    int64_t nb = k / QKK;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QKK;
+            XKBlock *o = out + r * nb + b;
+            float amax = 0.0f;
+            for (int i = 0; i < QKK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int s = 0; s < 16; s++) {
+                int sum = 0;
+                for (int i = 16 * s; i < 16 * s + 16; i++) {
+                    int q = (int)nearbyintf(v[i] * id);
+                    q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                    o->q[i] = (int8_t)q;
+                    sum += q;
+                }
+                o->sums[s] = (int16_t)sum;
+            }
+            o->d = d;
+        }
+    }
+}
+
 /* The fixed horizontal sum of eight lanes, shared by both paths. */
 static inline float lanes_sum(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
@@ -246,6 +279,79 @@ static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_
                 if (offsets) off = fmaf(c, xr[b].s, off);
             }
             float sum = lanes_sum(lane) + off;
+            y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
+        }
+    }
+}
+
+/* ---- K types, a super-block at a time ----
+ * Per output, eight int32 lanes gather a super-block exactly: lane l holds, over its eight 32-blocks
+ * j, the sub-block's integer scale times the dot product of elements 4l..4l+3 of block j (unsigned
+ * codes: Q6_K's 0..63, its offset of 32 taken off once, as 32 times lane l's share of the scales
+ * times the per-16 sums, 16-blocks 2l and 2l + 1), and for Q4_K and Q5_K eight more lanes the mins'
+ * part, lane l = min of sub-block l times the sum of its 32 activations. Then per float lane: one
+ * fused multiply-add of d * xd with the first, one of -(dmin * xd) with the second, in K order;
+ * finally the fixed horizontal sum. Integers are exact, so only the float steps have an order, and
+ * both paths take the same one. */
+
+/* The 8 scales and 8 mins (6 bits each) of a Q4_K / Q5_K super-block. */
+static inline void k4_unpack(const uint8_t *packed, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        k4_scale_min(packed, j, &s, &m);
+        sc[j] = (uint8_t)s;
+        mn[j] = (uint8_t)m;
+    }
+}
+
+/* Super-block sb of a row against its activation block: the float lanes take its two terms. */
+static inline void superblock_portable(int qtype, const uint8_t *row, int64_t sb, const XKBlock *x, float *lane) {
+    int32_t dot[8] = {0}, low[8] = {0};
+    int8_t u[QK];
+    float dx, mx = 0.0f;
+    const uint8_t *blk = row + sb * block_bytes(qtype);
+    if (qtype == Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int j = 0; j < 8; j++) {
+            unpack_codes(qtype, row, sb * 8 + j, u);
+            for (int l = 0; l < 8; l++) {
+                int32_t s = 0;
+                for (int t = 0; t < 4; t++) s += (int32_t)(u[4 * l + t] + 32) * (int32_t)x->q[32 * j + 4 * l + t];
+                dot[l] += (int32_t)sc[2 * j + (l >> 2)] * s;
+            }
+        }
+        for (int l = 0; l < 8; l++)
+            dot[l] -= 32 * ((int32_t)sc[2 * l] * x->sums[2 * l] + (int32_t)sc[2 * l + 1] * x->sums[2 * l + 1]);
+        dx = half_at(blk + 208) * x->d;
+    } else {
+        uint8_t sc[8], mn[8];
+        k4_unpack(blk + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            unpack_codes(qtype, row, sb * 8 + j, u);
+            for (int l = 0; l < 8; l++) {
+                int32_t s = 0;
+                for (int t = 0; t < 4; t++) s += (int32_t)u[4 * l + t] * (int32_t)x->q[32 * j + 4 * l + t];
+                dot[l] += (int32_t)sc[j] * s;
+            }
+        }
+        for (int l = 0; l < 8; l++) low[l] = (int32_t)mn[l] * (x->sums[2 * l] + x->sums[2 * l + 1]);
+        dx = half_at(blk) * x->d;
+        mx = -(half_at(blk + 2) * x->d);
+    }
+    for (int l = 0; l < 8; l++) {
+        lane[l] = fmaf(dx, (float)dot[l], lane[l]);
+        if (qtype != Q6_K) lane[l] = fmaf(mx, (float)low[l], lane[l]);
+    }
+}
+
+static void rows_portable_k(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                            const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    for (int64_t col = n0; col < n1; col++) {
+        const uint8_t *wr = w + col * row_bytes;
+        for (int64_t r = 0; r < m; r++) {
+            float lane[8] = {0};
+            for (int64_t sb = 0; sb < nsb; sb++) superblock_portable(qtype, wr, sb, xk + r * nsb + sb, lane);
+            float sum = lanes_sum(lane);
             y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
         }
     }
@@ -463,6 +569,118 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
     free(sb);
 }
 
+/* ---- K types on AVX2: the lanes superblock_portable sums, eight at a time ---- */
+
+/* Int16 `i` of each 128-bit half of v, in all eight int16 of that half. */
+#define SPREAD16(v, i) _mm256_shuffle_epi8((v), _mm256_set1_epi16((short)(0x0100 + 0x0202 * (i))))
+
+AVX2 static inline __attribute__((always_inline)) __m256
+superblock_k4(const int qtype, const uint8_t *blk, const XKBlock *x, __m256i sums, __m256 acc) {
+    uint32_t a[3], s[4];
+    memcpy(a, blk + 4, 12);
+    s[0] = a[0] & 0x3f3f3f3fu;                                   /* scales 0-3 */
+    s[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);   /* scales 4-7: 4 bits + 2 on top */
+    s[2] = a[1] & 0x3f3f3f3fu;                                   /* mins 0-3 */
+    s[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
+    __m128i sm = _mm_loadu_si128((const __m128i *)s);
+    __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10,
+                                                                          10, 9, 9, 8, 8)));
+    __m256i low = _mm256_madd_epi16(mins, sums), dot = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0f);
+    __m256i bit4 = _mm256_set1_epi8(0x10), hb = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : m4;
+    const uint8_t *qs = blk + (qtype == Q5_K ? 48 : 16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (qtype == Q5_K) { /* bit j of each byte of qh is the fifth bit of sub-block j */
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+        __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x->q + 64 * p)));
+        __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x->q + 64 * p + 32)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(plo, SPREAD16(scales, 2 * p)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(phi, SPREAD16(scales, 2 * p + 1)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_f16c(blk) * x->d), _mm256_cvtepi32_ps(dot), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(-(half_f16c(blk + 2) * x->d)), _mm256_cvtepi32_ps(low), acc);
+}
+
+AVX2 static inline __attribute__((always_inline)) __m256
+superblock_q6k(const uint8_t *blk, const XKBlock *x, __m256i sums, __m256 acc) {
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    /* the codes' offset of 32, taken off once: lane l loses 32 (sc[2l] sums[2l] + sc[2l+1] sums[2l+1]) */
+    __m256i dot = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
+    __m256i m4 = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        /* scales 8h..8h+7 as int16 in both halves; block 4h + t takes 2t (low lanes) and 2t + 1 */
+        __m256i sv = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+        __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), top)),
+        };
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m256i p = _mm256_maddubs_epi16(u[t], _mm256_loadu_si256((const __m256i *)(x->q + 128 * h + 32 * t)));
+            __m256i s = _mm256_shuffle_epi8(sv, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * t)),
+                                                                 _mm_set1_epi16((short)(0x0100 + 0x0404 * t))));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, s));
+        }
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(half_f16c(blk + 208) * x->d), _mm256_cvtepi32_ps(dot), acc);
+}
+
+/* One x row against a strip of `rows` weight rows, a super-block at a time (constant qtype and
+ * rows where inlined, as strip_direct). */
+AVX2 static inline __attribute__((always_inline)) void
+strip_k(const int qtype, const int rows, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1,
+        const XKBlock *xr, int64_t nsb, float *out, int accumulate) {
+    const int bb = block_bytes(qtype);
+    const float off[STRIP] = {0};
+    __m256 acc[STRIP];
+    for (int i = 0; i < STRIP; i++) acc[i] = _mm256_setzero_ps();
+    const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
+    int64_t ahead = c0 + 8 * STRIP < n1 ? STRIP * row_bytes : 0, per = (STRIP * row_bytes + nsb - 1) / nsb;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m256i sums = _mm256_loadu_si256((const __m256i *)xr[sb].sums);
+        for (int64_t p = sb * per; p < (sb + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *blk = w + (c0 + i) * row_bytes + sb * bb;
+            acc[i] = qtype == Q6_K ? superblock_q6k(blk, xr + sb, sums, acc[i])
+                                   : superblock_k4(qtype, blk, xr + sb, sums, acc[i]);
+        }
+    }
+    finish_avx2(acc, off, rows, out, accumulate);
+}
+
+#define STRIP_K(QT)                                                                                         \
+    do {                                                                                                    \
+        if (rows == STRIP) strip_k(QT, STRIP, w, row_bytes, c0, n1, xr, nsb, out, accumulate);              \
+        else strip_k(QT, rows, w, row_bytes, c0, n1, xr, nsb, out, accumulate);                             \
+    } while (0)
+
+AVX2 static void rows_avx2_k(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                             const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
+        int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        for (int64_t r = 0; r < m; r++) {
+            const XKBlock *xr = xk + r * nsb;
+            float *out = y + r * n + c0;
+            if (qtype == Q4_K) STRIP_K(Q4_K);
+            else if (qtype == Q5_K) STRIP_K(Q5_K);
+            else STRIP_K(Q6_K);
+        }
+    }
+}
+
 static void rows_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                       const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     if (m < STRIP) rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
@@ -483,8 +701,8 @@ static int cpu_has_avx2(void) { return 0; }
 typedef struct {
     int qtype, isa_avx2, accumulate;
     const uint8_t *w;
-    int64_t row_bytes, n, m, nb;
-    const XBlock *xq;
+    int64_t row_bytes, n, m, nb; /* nb: x's blocks a row (32-wide, or 256-wide for a K type) */
+    const void *xq;              /* XBlock or, for a K type, XKBlock */
     float *y;
 } MatJob;
 
@@ -527,13 +745,16 @@ static void matmul_part(const void *ctx, int part, int parts) {
     int64_t s0 = strips * part / parts, s1 = strips * (part + 1) / parts;
     int64_t n0 = s0 * STRIP, n1 = s1 * STRIP < j->n ? s1 * STRIP : j->n;
     if (n0 >= n1) return;
+    int k_type = block_elems(j->qtype) == QKK;
 #if HAVE_X86
     if (j->isa_avx2) {
-        rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        if (k_type) rows_avx2_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        else rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         return;
     }
 #endif
-    rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+    if (k_type) rows_portable_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+    else rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
 }
 
 static void run_part(int part) { job.fn(job.ctx, part, job.parts); }
@@ -1021,10 +1242,13 @@ typedef struct {
 } WRef;
 
 static int matmul_c(const WRef *wr, const float *x, int64_t m, float *y, int threads, int isa, int accumulate) {
-    XBlock *xq = malloc((size_t)(m * (wr->k / QK) + 1) * sizeof(XBlock));
+    int k_type = block_elems(wr->qtype) == QKK;
+    int64_t nb = wr->k / block_elems(wr->qtype);
+    void *xq = malloc((size_t)(m * nb + 1) * (k_type ? sizeof(XKBlock) : sizeof(XBlock)));
     if (!xq) return -1;
-    quantize_rows(x, m, wr->k, xq);
-    MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, wr->k / QK, xq, y};
+    if (k_type) quantize_rows_k(x, m, wr->k, xq);
+    else quantize_rows(x, m, wr->k, xq);
+    MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, nb, xq, y};
     Job j = {matmul_part, &mj, 1};
     run_job(&j, threads < 1 ? 1 : threads);
     free(xq);
