@@ -41,7 +41,7 @@
 #endif
 
 enum { QK = 32, QKK = 256, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-       MAX_THREADS = 64, STRIP = 4 };
+       MAX_THREADS = 64, STRIP = 4, K_STRIPS_FROM = 4 };
 
 typedef struct {
     float d;     /* scale */
@@ -681,6 +681,128 @@ AVX2 static void rows_avx2_k(int qtype, const uint8_t *w, int64_t row_bytes, int
     }
 }
 
+/* Many x rows: a super-block of a weight row decoded once (codes, scales, mins), then met by every
+ * x row; the integers and the float steps are superblock_k4's and superblock_q6k's. */
+typedef struct {
+    __m256i u[8];    /* codes of the eight 32-blocks (Q6_K's unsigned, 0..63) */
+    __m256i sa, sb;  /* Q4_K / Q5_K: the scales as int16 in both halves; Q6_K: scales 0-7 and 8-15 so */
+    __m256i extra;   /* Q4_K / Q5_K: each min twice, as int16; Q6_K: the 16 scales as int16 */
+    float d, dmin;
+} KDec;
+
+AVX2 static inline __attribute__((always_inline)) void decode_k(const int qtype, const uint8_t *blk, KDec *k) {
+    __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (qtype == Q6_K) {
+        __m256i top = _mm256_set1_epi8(0x30);
+        k->extra = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        k->sa = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192))));
+        k->sb = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 200))));
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            k->u[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top));
+            k->u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top));
+            k->u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, top));
+            k->u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
+        }
+        k->d = half_f16c(blk + 208);
+        return;
+    }
+    uint32_t a[3], s[4];
+    memcpy(a, blk + 4, 12);
+    s[0] = a[0] & 0x3f3f3f3fu;
+    s[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
+    s[2] = a[1] & 0x3f3f3f3fu;
+    s[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
+    __m128i sm = _mm_loadu_si128((const __m128i *)s);
+    k->sa = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    k->extra = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10,
+                                                                      9, 9, 8, 8)));
+    __m256i bit4 = _mm256_set1_epi8(0x10), hb = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : m4;
+    const uint8_t *qs = blk + (qtype == Q5_K ? 48 : 16);
+    for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (qtype == Q5_K) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+        k->u[2 * p] = lo;
+        k->u[2 * p + 1] = hi;
+    }
+    k->d = half_f16c(blk);
+    k->dmin = half_f16c(blk + 2);
+}
+
+AVX2 static inline __attribute__((always_inline)) __m256
+meet_k(const int qtype, const KDec *k, const XKBlock *x, __m256i sums, __m256 acc) {
+    __m256i dot;
+    if (qtype == Q6_K) {
+        dot = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(k->extra, sums), 5));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i p = _mm256_maddubs_epi16(k->u[j], _mm256_loadu_si256((const __m256i *)(x->q + 32 * j)));
+            __m256i s = _mm256_shuffle_epi8(j < 4 ? k->sa : k->sb,
+                                            _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * (j & 3))),
+                                                             _mm_set1_epi16((short)(0x0100 + 0x0404 * (j & 3)))));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, s));
+        }
+        return _mm256_fmadd_ps(_mm256_set1_ps(k->d * x->d), _mm256_cvtepi32_ps(dot), acc);
+    }
+    dot = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256i p = _mm256_maddubs_epi16(k->u[j], _mm256_loadu_si256((const __m256i *)(x->q + 32 * j)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, SPREAD16(k->sa, j)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(k->d * x->d), _mm256_cvtepi32_ps(dot), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(-(k->dmin * x->d)), _mm256_cvtepi32_ps(_mm256_madd_epi16(k->extra, sums)), acc);
+}
+
+AVX2 static inline __attribute__((always_inline)) void
+strip_meet_k(const int qtype, const int rows, const KDec *dec, const XKBlock *xk, int64_t m, int64_t nsb, float *y,
+             int64_t n, int accumulate) {
+    const float off[STRIP] = {0};
+    for (int64_t r = 0; r < m; r++) {
+        const XKBlock *xr = xk + r * nsb;
+        __m256 acc[STRIP];
+        for (int i = 0; i < STRIP; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            __m256i sums = _mm256_loadu_si256((const __m256i *)xr[sb].sums);
+            for (int i = 0; i < rows; i++) acc[i] = meet_k(qtype, dec + sb * STRIP + i, xr + sb, sums, acc[i]);
+        }
+        finish_avx2(acc, off, rows, y + r * n, accumulate);
+    }
+}
+
+#define STRIP_MEET_K(QT)                                                                                    \
+    do {                                                                                                    \
+        for (int i = 0; i < rows; i++)                                                                      \
+            for (int64_t sb = 0; sb < nsb; sb++)                                                            \
+                decode_k(QT, w + (c0 + i) * row_bytes + sb * block_bytes(QT), dec + sb * STRIP + i);        \
+        if (rows == STRIP) strip_meet_k(QT, STRIP, dec, xk, m, nsb, y + c0, n, accumulate);                 \
+        else strip_meet_k(QT, rows, dec, xk, m, nsb, y + c0, n, accumulate);                                \
+    } while (0)
+
+AVX2 static void rows_avx2_k_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                    const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    KDec *dec = aligned_alloc(32, (size_t)STRIP * nsb * sizeof(KDec));
+    if (!dec) { /* the same sums, each x row decoding for itself */
+        rows_avx2_k(qtype, w, row_bytes, n0, n1, n, xk, m, nsb, y, accumulate);
+        return;
+    }
+    for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
+        int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        if (qtype == Q4_K) STRIP_MEET_K(Q4_K);
+        else if (qtype == Q5_K) STRIP_MEET_K(Q5_K);
+        else STRIP_MEET_K(Q6_K);
+    }
+    free(dec);
+}
+
 static void rows_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                       const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     if (m < STRIP) rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
@@ -748,7 +870,8 @@ static void matmul_part(const void *ctx, int part, int parts) {
     int k_type = block_elems(j->qtype) == QKK;
 #if HAVE_X86
     if (j->isa_avx2) {
-        if (k_type) rows_avx2_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        if (k_type && j->m >= K_STRIPS_FROM) rows_avx2_k_strips(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        else if (k_type) rows_avx2_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         else rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         return;
     }
