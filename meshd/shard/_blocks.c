@@ -574,15 +574,21 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
 /* Int16 `i` of each 128-bit half of v, in all eight int16 of that half. */
 #define SPREAD16(v, i) _mm256_shuffle_epi8((v), _mm256_set1_epi16((short)(0x0100 + 0x0202 * (i))))
 
+/* The 12 packed bytes of a Q4_K / Q5_K super-block as bytes: scales 0-7, then mins 0-7 (k4_unpack's
+ * values). With a0, a1, a2 its three words: scales 0-3 are a0's low 6 bits a byte, mins 0-3 a1's;
+ * scales 4-7 are a2's low nibbles with a0's top 2 bits above them, mins 4-7 a2's high nibbles with
+ * a1's. The bytes read past them are the block's own codes, masked away. */
+AVX2 static inline __m128i k4_scales_avx2(const uint8_t *blk) {
+    __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
+    __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_set_epi32(4, 0, 0, 0));
+    __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+    return _mm_or_si128(_mm_and_si128(low, _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f)),
+                        _mm_and_si128(top, _mm_set_epi32(0x30303030, 0, 0x30303030, 0)));
+}
+
 AVX2 static inline __attribute__((always_inline)) __m256
 superblock_k4(const int qtype, const uint8_t *blk, const XKBlock *x, __m256i sums, __m256 acc) {
-    uint32_t a[3], s[4];
-    memcpy(a, blk + 4, 12);
-    s[0] = a[0] & 0x3f3f3f3fu;                                   /* scales 0-3 */
-    s[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);   /* scales 4-7: 4 bits + 2 on top */
-    s[2] = a[1] & 0x3f3f3f3fu;                                   /* mins 0-3 */
-    s[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
-    __m128i sm = _mm_loadu_si128((const __m128i *)s);
+    __m128i sm = k4_scales_avx2(blk);
     __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10,
                                                                           10, 9, 9, 8, 8)));
@@ -710,13 +716,7 @@ AVX2 static inline __attribute__((always_inline)) void decode_k(const int qtype,
         k->d = half_f16c(blk + 208);
         return;
     }
-    uint32_t a[3], s[4];
-    memcpy(a, blk + 4, 12);
-    s[0] = a[0] & 0x3f3f3f3fu;
-    s[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
-    s[2] = a[1] & 0x3f3f3f3fu;
-    s[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
-    __m128i sm = _mm_loadu_si128((const __m128i *)s);
+    __m128i sm = k4_scales_avx2(blk);
     k->sa = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     k->extra = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10,
                                                                       9, 9, 8, 8)));
