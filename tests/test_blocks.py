@@ -85,6 +85,25 @@ def test_the_portable_path_gives_the_bits_of_the_vector_path(qt):
     assert torch.equal(portable.mm(x, add_to=a), w.mm(x, add_to=b))
 
 
+@pytest.mark.parametrize("qt", [QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_both_paths_quantize_ties_tiny_and_non_finite_activations_alike(qt):
+    """The AVX2 quantizer against the portable one where rounding and conversion have corners:
+    halves (to even), a block of subnormals (1 / d overflows), zeros, infinities and NaN."""
+    if blocks.isa() == "portable":
+        pytest.skip("this CPU runs the portable path only")
+    w, _ = weight(qt, 9, 512, seed=4)
+    x = torch.zeros(6, 512)
+    x[0] = torch.arange(512) % 16 - 7.5  # max 8.5 (127 / 8.5 scales them), halves everywhere
+    x[0, ::32] = 127.0
+    x[1] = (torch.arange(512) - 256.0) / 2  # with a max of 127.5 in a block, q = round(x * 127 / 127.5)
+    x[2] = torch.randn(512) * 1e-43  # subnormal: d = max / 127 rounds far down, 1 / d to infinity
+    x[3, 7], x[3, 300] = float("inf"), float("-inf")
+    x[4, 9], x[4, 400] = float("nan"), 3.0
+    x[5] = torch.randn(512)  # and a plain row among them
+    portable = blocks.BlockWeight(qt, w.data, 9, 512, portable=True)
+    assert torch.equal(portable.mm(x).view(torch.int32), w.mm(x).view(torch.int32))
+
+
 @pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
 def test_extreme_codes_and_scales_stay_exact(qt):
     """All-ones and all-zeros bytes: every code at its top or bottom (Q6_K's -32 and 31, Q5's 31),

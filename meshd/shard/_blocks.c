@@ -803,6 +803,71 @@ AVX2 static void rows_avx2_k_strips(int qtype, const uint8_t *w, int64_t row_byt
     free(dec);
 }
 
+/* ---- activations on AVX2: quantize_rows' and quantize_rows_k's numbers, eight at a time ----
+ * max|x| is exact in any order; x * (1 / d) is the same product; rounding to nearest even and the
+ * conversion (NaN and overflow give INT_MIN, as the portable path's conversion does on x86) and the
+ * integer clamp to +-127 follow the portable steps one for one. */
+
+AVX2 static inline float amax_avx2(const float *v, int count) {
+    __m256 m = _mm256_setzero_ps(), abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < count; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs), m); /* NaN: kept m */
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+AVX2 static inline int hsum_epi32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* 32 values times id, rounded and clamped into q; the sums of elements 0..15 and 16..31. */
+AVX2 static inline void quantize32_avx2(const float *v, float id, int8_t *q, int *sum_lo, int *sum_hi) {
+    __m256 s = _mm256_set1_ps(id);
+    __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), i[4];
+    for (int t = 0; t < 4; t++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * t), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i[t] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
+    }
+    *sum_lo = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
+    *sum_hi = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
+    /* the packs interleave 4-element groups across the halves; the permute puts them back */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+AVX2 static void quantize_rows_avx2(const float *x, int64_t m, int64_t k, XBlock *out) {
+    int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QK;
+            XBlock *o = out + r * nb + b;
+            float d = amax_avx2(v, QK) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int lo, hi;
+            quantize32_avx2(v, id, o->q, &lo, &hi);
+            o->d = d;
+            o->s = d * (float)(lo + hi);
+        }
+}
+
+AVX2 static void quantize_rows_k_avx2(const float *x, int64_t m, int64_t k, XKBlock *out) {
+    int64_t nb = k / QKK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QKK;
+            XKBlock *o = out + r * nb + b;
+            float d = amax_avx2(v, QKK) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int c = 0; c < 8; c++) {
+                int lo, hi;
+                quantize32_avx2(v + 32 * c, id, o->q + 32 * c, &lo, &hi);
+                o->sums[2 * c] = (int16_t)lo;
+                o->sums[2 * c + 1] = (int16_t)hi;
+            }
+            o->d = d;
+        }
+}
+
 static void rows_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                       const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     if (m < STRIP) rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
@@ -1369,6 +1434,11 @@ static int matmul_c(const WRef *wr, const float *x, int64_t m, float *y, int thr
     int64_t nb = wr->k / block_elems(wr->qtype);
     void *xq = malloc((size_t)(m * nb + 1) * (k_type ? sizeof(XKBlock) : sizeof(XBlock)));
     if (!xq) return -1;
+#if HAVE_X86
+    if (isa && k_type) quantize_rows_k_avx2(x, m, wr->k, xq);
+    else if (isa) quantize_rows_avx2(x, m, wr->k, xq);
+    else
+#endif
     if (k_type) quantize_rows_k(x, m, wr->k, xq);
     else quantize_rows(x, m, wr->k, xq);
     MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, nb, xq, y};
