@@ -1,10 +1,11 @@
 /* GGUF block matmuls for the native lane: y[M, N] = x[M, K] @ W[N, K].T, W kept as the GGUF's own
  * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and x quantized to 8 bits per 32-wide block
  * (the trick llama.cpp's ggml uses: integer dot products of a weight block with an activation block,
- * one float scale each). Every type is met as 32-wide blocks w = a * u + c: a K type's 256-wide
- * super-block is eight of them, each with its sub-block's scale (and min), and Q6_K's 16-wide
- * sub-blocks give lanes 0-3 and lanes 4-7 of a block their own scale; codes are unsigned with an
- * offset c (4- and 5-bit types) or signed without one (Q8_0, Q6_K's u - 32).
+ * one float scale each). The 32-wide types are met as blocks w = a * u + c, codes unsigned with an
+ * offset c (4- and 5-bit types) or signed without one (Q8_0). The K types (Q4_K, Q5_K, Q6_K) take x
+ * quantized per 256-wide super-block instead and sum a super-block in integers: each sub-block's
+ * product times its integer scale, the mins (Q6_K: its codes' offset of 32) through per-16 sums of
+ * x's codes, then one float step per super-block (see "K types" below).
  *
  * Rules this file keeps:
  * - Every output is summed in one fixed order, whatever M, the rows' place in the batch, the number of
@@ -12,8 +13,9 @@
  *   (lane j holds elements 4j..4j+3 of every block: exact integer sums, then one fused multiply-add
  *   each), then one fixed horizontal sum, then the offset term. The AVX2 path and the portable path
  *   compute the same bits (tested), so peers on different CPUs agree and a batch equals its rows alone.
- * - Activations: per row and block of 32, d = max|x| / 127, q = nearbyint(x / d) in [-127, 127],
- *   s = d * sum(q) (for the weight's per-block offset). Part of the recipe: it changes the numbers.
+ * - Activations: per row and block of 32 (K types: of 256), d = max|x| / 127, q = nearbyint(x * (1 / d))
+ *   in [-127, 127], and s = d * sum(q) (for the weight's per-block offset; K types: the sums of q per
+ *   16). Part of the recipe: it changes the numbers.
  * - Threads split the output features; a pool of workers spins briefly between calls, then sleeps.
  * - The rest of a Llama layer lives here too, per row and in fixed orders (RMSNorm, RoPE into the
  *   bfloat16 KV cache, causal attention, silu(gate) * up), so a row's bits never depend on how many
@@ -109,8 +111,8 @@ static inline int64_t row_bytes_of(int qtype, int64_t k) {
     return bb && k > 0 && k % be == 0 ? k / be * bb : 0;
 }
 
-/* Signed codes (Q8_0, Q6_K: w = a * u, no offset) or unsigned ones (w = a * u + b). */
-static inline int signed_codes(int qtype) { return qtype == Q8_0 || qtype == Q6_K; }
+/* Signed codes (Q8_0: w = a * u, no offset) or unsigned ones (w = a * u + c). */
+static inline int signed_codes(int qtype) { return qtype == Q8_0; }
 
 /* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
 static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
@@ -123,36 +125,19 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-/* 32-wide block b of a row as w = a * u + c: lanes 0-3 (elements 0..15) scale by *lo, lanes 4-7 by
- * *hi (equal but for Q6_K, whose 16-wide sub-blocks each have a scale). Every product here is exact
- * in float32 (an 11-bit half times an integer of at most 8 bits), so the AVX2 path shares this. */
+/* 32-wide block b of a row (not a K type: they go a super-block at a time) as w = a * u + c. The
+ * offsets are exact in float32 (an 11-bit half times 8 or 16), so the AVX2 path shares this. */
 #define BLOCK_SCALES_BODY(HALF) \
 { \
-    const uint8_t *blk; \
-    int sc, mn; \
+    const uint8_t *blk = row + b * block_bytes(qtype); \
+    *a = HALF(blk); \
     *c = 0.0f; \
-    switch (qtype) { \
-    case Q4_K: case Q5_K: \
-        blk = row + (b >> 3) * block_bytes(qtype); \
-        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn); \
-        *lo = *hi = HALF(blk) * (float)sc; \
-        *c = -(HALF(blk + 2) * (float)mn); \
-        return; \
-    case Q6_K: \
-        blk = row + (b >> 3) * 210; \
-        *lo = HALF(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)]; \
-        *hi = HALF(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)]; \
-        return; \
-    default: \
-        blk = row + b * block_bytes(qtype); \
-        *lo = *hi = HALF(blk); \
-        if (qtype == Q4_1 || qtype == Q5_1) *c = HALF(blk + 2); \
-        else if (qtype == Q4_0) *c = -8.0f * *lo; \
-        else if (qtype == Q5_0) *c = -16.0f * *lo; \
-    } \
+    if (qtype == Q4_1 || qtype == Q5_1) *c = HALF(blk + 2); \
+    else if (qtype == Q4_0) *c = -8.0f * *a; \
+    else if (qtype == Q5_0) *c = -16.0f * *a; \
 }
 
-static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *lo, float *hi, float *c)
+static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *a, float *c)
 BLOCK_SCALES_BODY(half_at)
 
 /* ---- activations ---- */
@@ -267,14 +252,14 @@ static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_
             const XBlock *xr = xq + r * nb;
             float lane[8] = {0}, off = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                float lo, hi, c;
-                block_scales(qtype, wr, b, &lo, &hi, &c);
+                float a, c;
+                block_scales(qtype, wr, b, &a, &c);
                 unpack_codes(qtype, wr, b, u);
-                float scale[2] = {lo * xr[b].d, hi * xr[b].d};
+                float scale = a * xr[b].d;
                 for (int j = 0; j < 8; j++) {
                     int32_t s = 0;
                     for (int t = 0; t < 4; t++) s += (int32_t)u[4 * j + t] * (int32_t)xr[b].q[4 * j + t];
-                    lane[j] = fmaf(scale[j >> 2], (float)s, lane[j]);
+                    lane[j] = fmaf(scale, (float)s, lane[j]);
                 }
                 if (offsets) off = fmaf(c, xr[b].s, off);
             }
@@ -377,39 +362,16 @@ AVX2 static inline __m256i nibbles16(const uint8_t *qs) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-/* 32 bytes of nibbles: the low ones (high = 0) or the high ones, as bytes 0..15. */
-AVX2 static inline __m256i nibbles32(const uint8_t *qs, int high) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)qs);
-    if (high) v = _mm256_srli_epi16(v, 4);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-}
-
-/* Bits `shift`.. (`mask` wide) of each of 32 bytes, moved up to bit 4. */
-AVX2 static inline __m256i high_bits(const uint8_t *p, int shift, int mask) {
-    __m256i v = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p), _mm_cvtsi32_si128(shift));
-    return _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi8((char)mask)), 4);
-}
-
-/* The codes of block b of a row, as unpack_codes gives them. */
+/* The codes of 32-wide block b of a row, as unpack_codes gives them. */
 AVX2 static inline __attribute__((always_inline)) __m256i codes_avx2(const int qtype, const uint8_t *row, int64_t b) {
     const uint8_t *blk;
-    int j = (int)(b & 7);
     switch (qtype) {
-    case Q8_0: return _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2));
     case Q4_0: return nibbles16(row + b * 18 + 2);
     case Q4_1: return nibbles16(row + b * 20 + 4);
     case Q5_0: case Q5_1:
         blk = row + b * block_bytes(qtype) + (qtype == Q5_1 ? 4 : 2);
         return _mm256_or_si256(nibbles16(blk + 4), _mm256_and_si256(bits_to_bytes(blk), _mm256_set1_epi8(0x10)));
-    case Q4_K: return nibbles32(row + (b >> 3) * 144 + 16 + 32 * (j >> 1), j & 1);
-    case Q5_K:
-        blk = row + (b >> 3) * 176;
-        return _mm256_or_si256(nibbles32(blk + 48 + 32 * (j >> 1), j & 1), high_bits(blk + 16, j, 1));
-    default: /* Q6_K */
-        blk = row + (b >> 3) * 210;
-        return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 64 * (j >> 2) + 32 * (j & 1), j & 2),
-                                               high_bits(blk + 128 + 32 * (j >> 2), 2 * (j & 3), 3)),
-                               _mm256_set1_epi8(32));
+    default: return _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); /* Q8_0 */
     }
 }
 
@@ -430,14 +392,8 @@ AVX2 static inline float half_f16c(const uint8_t *p) {
 
 /* block_scales with the F16C conversion (exact too): the same body, another half-to-float. */
 AVX2 static inline __attribute__((always_inline)) void scales_f16c(const int qtype, const uint8_t *row, int64_t b,
-                                                                   float *lo, float *hi, float *c)
+                                                                   float *a, float *c)
 BLOCK_SCALES_BODY(half_f16c)
-
-/* The lanes' scales times the activation block's: one for all eight, or Q6_K's two halves. */
-AVX2 static inline __m256 lane_scales(const int qtype, float lo, float hi, float xd) {
-    if (qtype == Q6_K) return _mm256_set_m128(_mm_set1_ps(hi * xd), _mm_set1_ps(lo * xd));
-    return _mm256_set1_ps(lo * xd);
-}
 
 AVX2 static inline void finish_avx2(const __m256 *acc, const float *off, int rows, float *out, int accumulate) {
     for (int i = 0; i < rows; i++) {
@@ -468,10 +424,10 @@ strip_direct(const int qtype, const int rows, const uint8_t *w, int64_t row_byte
         for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
         for (int i = 0; i < rows; i++) {
             const uint8_t *row = w + (c0 + i) * row_bytes;
-            float lo, hi, c;
-            scales_f16c(qtype, row, b, &lo, &hi, &c);
+            float a, c;
+            scales_f16c(qtype, row, b, &a, &c);
             __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes_avx2(qtype, row, b), q));
-            acc[i] = _mm256_fmadd_ps(lane_scales(qtype, lo, hi, xd), s, acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a * xd), s, acc[i]);
             if (!sgn) off[i] = fmaf(c, xs, off[i]);
         }
     }
@@ -497,19 +453,16 @@ AVX2 static void rows_avx2_direct(int qtype, const uint8_t *w, int64_t row_bytes
             case Q4_1: STRIP_DIRECT(Q4_1); break;
             case Q5_0: STRIP_DIRECT(Q5_0); break;
             case Q5_1: STRIP_DIRECT(Q5_1); break;
-            case Q4_K: STRIP_DIRECT(Q4_K); break;
-            case Q5_K: STRIP_DIRECT(Q5_K); break;
-            case Q6_K: STRIP_DIRECT(Q6_K); break;
             default: STRIP_DIRECT(Q8_0); break;
             }
         }
     }
 }
 
-/* Every x row against one decoded strip; `six` (two scales a block) and `sgn` (no offsets) are
- * constants where it is inlined, so the inner loop has no branch. */
+/* Every x row against one decoded strip; `sgn` (no offsets) is a constant where it is inlined, so
+ * the inner loop has no branch. */
 AVX2 static inline __attribute__((always_inline)) void
-strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa, const float *sh, const float *sb,
+strips_meet(const int sgn, const __m256i *codes, const float *sa, const float *sb,
             int rows, const XBlock *xq, int64_t m, int64_t nb, float *y, int64_t n, int accumulate) {
     for (int64_t r = 0; r < m; r++) {
         const XBlock *xr = xq + r * nb;
@@ -522,9 +475,7 @@ strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa,
             for (int i = 0; i < rows; i++) {
                 int64_t at = b * STRIP + i;
                 __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[at], q));
-                __m256 scale = six ? _mm256_set_m128(_mm_set1_ps(sh[at] * xd), _mm_set1_ps(sa[at] * xd))
-                                   : _mm256_set1_ps(sa[at] * xd);
-                acc[i] = _mm256_fmadd_ps(scale, s, acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sa[at] * xd), s, acc[i]);
                 if (!sgn) off[i] = fmaf(sb[at], xs, off[i]);
             }
         }
@@ -536,10 +487,9 @@ strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa,
  * then met by every x row. */
 AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                                   const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
-    int sgn = signed_codes(qtype), six = qtype == Q6_K;
+    int sgn = signed_codes(qtype);
     __m256i *codes = aligned_alloc(32, (size_t)STRIP * nb * sizeof(__m256i));
-    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sh = malloc((size_t)STRIP * nb * sizeof(float));
-    float *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
         for (int i = 0; i < rows; i++) {
@@ -551,21 +501,16 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
                 case Q4_1: codes[at] = codes_avx2(Q4_1, wr, b); break;
                 case Q5_0: codes[at] = codes_avx2(Q5_0, wr, b); break;
                 case Q5_1: codes[at] = codes_avx2(Q5_1, wr, b); break;
-                case Q4_K: codes[at] = codes_avx2(Q4_K, wr, b); break;
-                case Q5_K: codes[at] = codes_avx2(Q5_K, wr, b); break;
-                case Q6_K: codes[at] = codes_avx2(Q6_K, wr, b); break;
                 default: codes[at] = codes_avx2(Q8_0, wr, b); break;
                 }
-                scales_f16c(qtype, wr, b, &sa[at], &sh[at], &sb[at]);
+                scales_f16c(qtype, wr, b, &sa[at], &sb[at]);
             }
         }
-        if (six) strips_meet(1, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
-        else if (sgn) strips_meet(0, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
-        else strips_meet(0, 0, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        if (sgn) strips_meet(1, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        else strips_meet(0, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate);
     }
     free(codes);
     free(sa);
-    free(sh);
     free(sb);
 }
 
