@@ -1,6 +1,8 @@
 """The GGUF block kernel (meshd/shard/_blocks.c): sums exactly as its rule says, whatever the batch,
 the threads or the CPU path; checked against gguf's own dequantized blocks."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +134,16 @@ def test_k_types_need_whole_super_blocks():
 
 def test_the_layout_names_every_type_the_kernel_runs():
     assert all(t.name in blocks.LAYOUT for t in TYPES) and set(TYPES) == blocks.TYPES
+
+
+def test_the_native_fingerprint_covers_the_k_types_activation_recipe():
+    """K types quantize activations per 256 (v3): peers with the per-32 kernel (v2) must not share a route."""
+    from meshd.shard import recipe
+
+    assert "q8-g256" in blocks.LAYOUT and blocks.LAYOUT.endswith("v3")
+    assert blocks.LAYOUT in recipe.NATIVE.layout
+    v2 = dataclasses.replace(recipe.NATIVE, layout=recipe.NATIVE.layout.replace(blocks.LAYOUT, "v2"))
+    assert v2.fingerprint("m", "a", "t") != recipe.NATIVE.fingerprint("m", "a", "t")
 
 
 def test_zero_rows_and_subnormal_scales_are_exact():
