@@ -12,7 +12,10 @@ Each is timed "hot" (one matrix, in cache) and "cold" (cycling through enough co
 last-level cache, as a decode step meets its weights). Medians of repeated calls; the ratio column
 is ggml's time over meshd's (above 1: meshd is faster).
 K-type weights are random blocks (gguf cannot quantize to them): the same bytes for all three.
+`--single` runs each on one thread and takes the median thread CPU time of a call instead of wall
+clock: on a shared, oversubscribed box the time a call waited for a core then does not count.
 Usage: python bench/kernel_bench.py [--rows 1,4,8,128] [--types Q4_1,Q8_0] [--shapes smollm2|gemma] [--big]
+       [--single]
 Prints a table, then one JSON object on the last line.
 """
 
@@ -115,14 +118,17 @@ def weight_bytes(qtype: QT, n: int, k: int, rng) -> np.ndarray | None:
     return raw.reshape(n, -1)
 
 
+CLOCK = time.perf_counter  # time.thread_time with --single
+
+
 def median_ms(fn, calls: int) -> float:
     for _ in range(3):
         fn()
     times = []
     for _ in range(calls):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times) * 1e3
 
 
@@ -143,7 +149,11 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_1,Q4_0,Q8_0")
     ap.add_argument("--shapes", choices=["smollm2", "gemma"], default="smollm2", help="whose matrix shapes")
     ap.add_argument("--big", action="store_true", help="also an 8B model's MLP matrix (14336 x 4096)")
+    ap.add_argument("--single", action="store_true", help="one thread each, median thread CPU time")
     args = ap.parse_args()
+    global THREADS, CLOCK
+    if args.single:
+        THREADS, CLOCK = 1, time.thread_time
     torch.set_num_threads(1)
     blocks.set_threads(THREADS)
     ggml = find_ggml()
@@ -193,7 +203,8 @@ def main() -> None:
             summary[key + "_median"] = statistics.median(vals)
             summary[key + "_min"] = min(vals)
     print("times in ms (hot / cold); ggml/meshd above 1: meshd faster")
-    print(json.dumps({"bench": "kernel", "shapes": args.shapes, "threads": THREADS, "cpu_flags": flags, "isa": blocks.isa(),
+    print(json.dumps({"bench": "kernel", "shapes": args.shapes, "threads": THREADS,
+                      "clock": "thread" if args.single else "wall", "cpu_flags": flags, "isa": blocks.isa(),
                       "ggml": ggml is not None, "torch": torch.__version__, "summary": summary, "results": results}))
 
 

@@ -1,6 +1,8 @@
 """The GGUF block kernel (meshd/shard/_blocks.c): sums exactly as its rule says, whatever the batch,
 the threads or the CPU path; checked against gguf's own dequantized blocks."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -31,9 +33,10 @@ def weight(qt: QT, rows: int, cols: int, seed: int = 0) -> tuple[blocks.BlockWei
     return blocks.BlockWeight.from_raw(qt, raw, cols), dequantize(raw, qt).reshape(rows, cols).astype(np.float64)
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """The kernel's activations as numbers: per row and 32-block, d = max|x| / 127, q = round(x / d)."""
-    g = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def quantized_activations(x: np.ndarray, qt: QT = QT.Q8_0) -> np.ndarray:
+    """The kernel's activations as numbers: per row and block, d = max|x| / 127, q = round(x / d);
+    a block is 32 wide, or a super-block's 256 for a K-type weight."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, 256 if qt in K_HALVES else 32)
     d = np.abs(g).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
     q = np.clip(np.rint(g * inv), -127, 127)
@@ -46,7 +49,7 @@ def test_products_equal_the_dequantized_blocks_times_the_quantized_activations(q
     w, ref = weight(qt, 70, 512)  # 70 rows: a last strip of two, and unequal thread shares
     x = torch.randn(m, 512) * 3
     y = w.mm(x).double().numpy()
-    expected = quantized_activations(x.numpy()) @ ref.T
+    expected = quantized_activations(x.numpy(), qt) @ ref.T
     # only float32 rounding is left once the activations are quantized as the rule says
     assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max(), np.abs(y - expected).max()
     # and the quantization itself costs about half a step of 8 bits
@@ -84,6 +87,25 @@ def test_the_portable_path_gives_the_bits_of_the_vector_path(qt):
     assert torch.equal(portable.mm(x, add_to=a), w.mm(x, add_to=b))
 
 
+@pytest.mark.parametrize("qt", [QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_both_paths_quantize_ties_tiny_and_non_finite_activations_alike(qt):
+    """The AVX2 quantizer against the portable one where rounding and conversion have corners:
+    halves (to even), a block of subnormals (1 / d overflows), zeros, infinities and NaN."""
+    if blocks.isa() == "portable":
+        pytest.skip("this CPU runs the portable path only")
+    w, _ = weight(qt, 9, 512, seed=4)
+    x = torch.zeros(6, 512)
+    x[0] = torch.arange(512) % 16 - 7.5  # max 8.5 (127 / 8.5 scales them), halves everywhere
+    x[0, ::32] = 127.0
+    x[1] = (torch.arange(512) - 256.0) / 2  # with a max of 127.5 in a block, q = round(x * 127 / 127.5)
+    x[2] = torch.randn(512) * 1e-43  # subnormal: d = max / 127 rounds far down, 1 / d to infinity
+    x[3, 7], x[3, 300] = float("inf"), float("-inf")
+    x[4, 9], x[4, 400] = float("nan"), 3.0
+    x[5] = torch.randn(512)  # and a plain row among them
+    portable = blocks.BlockWeight(qt, w.data, 9, 512, portable=True)
+    assert torch.equal(portable.mm(x).view(torch.int32), w.mm(x).view(torch.int32))
+
+
 @pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
 def test_extreme_codes_and_scales_stay_exact(qt):
     """All-ones and all-zeros bytes: every code at its top or bottom (Q6_K's -32 and 31, Q5's 31),
@@ -96,7 +118,7 @@ def test_extreme_codes_and_scales_stay_exact(qt):
         w = blocks.BlockWeight.from_raw(qt, raw, 512)
         ref = dequantize(raw, qt).reshape(6, 512).astype(np.float64)
         x = torch.where(torch.arange(512) % 3 == 0, -50.0, 50.0).repeat(3, 1)
-        expected = quantized_activations(x.numpy()) @ ref.T
+        expected = quantized_activations(x.numpy(), qt) @ ref.T
         y = w.mm(x).double().numpy()
         assert np.abs(y - expected).max() <= 1e-5 * max(np.abs(expected).max(), 1.0)
         assert torch.equal(blocks.BlockWeight(qt, w.data, 6, 512, portable=True).mm(x), w.mm(x))
@@ -112,6 +134,16 @@ def test_k_types_need_whole_super_blocks():
 
 def test_the_layout_names_every_type_the_kernel_runs():
     assert all(t.name in blocks.LAYOUT for t in TYPES) and set(TYPES) == blocks.TYPES
+
+
+def test_the_native_fingerprint_covers_the_k_types_activation_recipe():
+    """K types quantize activations per 256 (v3): peers with the per-32 kernel (v2) must not share a route."""
+    from meshd.shard import recipe
+
+    assert "q8-g256" in blocks.LAYOUT and blocks.LAYOUT.endswith("v3")
+    assert blocks.LAYOUT in recipe.NATIVE.layout
+    v2 = dataclasses.replace(recipe.NATIVE, layout=recipe.NATIVE.layout.replace(blocks.LAYOUT, "v2"))
+    assert v2.fingerprint("m", "a", "t") != recipe.NATIVE.fingerprint("m", "a", "t")
 
 
 def test_zero_rows_and_subnormal_scales_are_exact():

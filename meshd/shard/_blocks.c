@@ -1,10 +1,11 @@
 /* GGUF block matmuls for the native lane: y[M, N] = x[M, K] @ W[N, K].T, W kept as the GGUF's own
  * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and x quantized to 8 bits per 32-wide block
  * (the trick llama.cpp's ggml uses: integer dot products of a weight block with an activation block,
- * one float scale each). Every type is met as 32-wide blocks w = a * u + c: a K type's 256-wide
- * super-block is eight of them, each with its sub-block's scale (and min), and Q6_K's 16-wide
- * sub-blocks give lanes 0-3 and lanes 4-7 of a block their own scale; codes are unsigned with an
- * offset c (4- and 5-bit types) or signed without one (Q8_0, Q6_K's u - 32).
+ * one float scale each). The 32-wide types are met as blocks w = a * u + c, codes unsigned with an
+ * offset c (4- and 5-bit types) or signed without one (Q8_0). The K types (Q4_K, Q5_K, Q6_K) take x
+ * quantized per 256-wide super-block instead and sum a super-block in integers: each sub-block's
+ * product times its integer scale, the mins (Q6_K: its codes' offset of 32) through per-16 sums of
+ * x's codes, then one float step per super-block (see "K types" below).
  *
  * Rules this file keeps:
  * - Every output is summed in one fixed order, whatever M, the rows' place in the batch, the number of
@@ -12,8 +13,9 @@
  *   (lane j holds elements 4j..4j+3 of every block: exact integer sums, then one fused multiply-add
  *   each), then one fixed horizontal sum, then the offset term. The AVX2 path and the portable path
  *   compute the same bits (tested), so peers on different CPUs agree and a batch equals its rows alone.
- * - Activations: per row and block of 32, d = max|x| / 127, q = nearbyint(x / d) in [-127, 127],
- *   s = d * sum(q) (for the weight's per-block offset). Part of the recipe: it changes the numbers.
+ * - Activations: per row and block of 32 (K types: of 256), d = max|x| / 127, q = nearbyint(x * (1 / d))
+ *   in [-127, 127], and s = d * sum(q) (for the weight's per-block offset; K types: the sums of q per
+ *   16). Part of the recipe: it changes the numbers.
  * - Threads split the output features; a pool of workers spins briefly between calls, then sleeps.
  * - The rest of a Llama layer lives here too, per row and in fixed orders (RMSNorm, RoPE into the
  *   bfloat16 KV cache, causal attention, silu(gate) * up), so a row's bits never depend on how many
@@ -41,13 +43,22 @@
 #endif
 
 enum { QK = 32, QKK = 256, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-       MAX_THREADS = 64, STRIP = 4 };
+       MAX_THREADS = 64, STRIP = 4, K_STRIPS_FROM = 4 };
 
 typedef struct {
     float d;     /* scale */
     float s;     /* d * sum(q) */
     int8_t q[QK];
 } XBlock;
+
+/* K types' activations: one block per 256-wide super-block, d = max|x| / 127 as for 32-blocks, and
+ * the sums of q per 16 elements, so a sub-block's min (Q4_K, Q5_K) or Q6_K's code offset of 32 is
+ * one small integer dot product per super-block. */
+typedef struct {
+    float d;
+    int16_t sums[16]; /* sum of q over elements 16i..16i+15 */
+    int8_t q[QKK];
+} XKBlock;
 
 /* ---- halves, exactly ---- */
 
@@ -100,8 +111,8 @@ static inline int64_t row_bytes_of(int qtype, int64_t k) {
     return bb && k > 0 && k % be == 0 ? k / be * bb : 0;
 }
 
-/* Signed codes (Q8_0, Q6_K: w = a * u, no offset) or unsigned ones (w = a * u + b). */
-static inline int signed_codes(int qtype) { return qtype == Q8_0 || qtype == Q6_K; }
+/* Signed codes (Q8_0: w = a * u, no offset) or unsigned ones (w = a * u + c). */
+static inline int signed_codes(int qtype) { return qtype == Q8_0; }
 
 /* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
 static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
@@ -114,36 +125,19 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-/* 32-wide block b of a row as w = a * u + c: lanes 0-3 (elements 0..15) scale by *lo, lanes 4-7 by
- * *hi (equal but for Q6_K, whose 16-wide sub-blocks each have a scale). Every product here is exact
- * in float32 (an 11-bit half times an integer of at most 8 bits), so the AVX2 path shares this. */
+/* 32-wide block b of a row (not a K type: they go a super-block at a time) as w = a * u + c. The
+ * offsets are exact in float32 (an 11-bit half times 8 or 16), so the AVX2 path shares this. */
 #define BLOCK_SCALES_BODY(HALF) \
 { \
-    const uint8_t *blk; \
-    int sc, mn; \
+    const uint8_t *blk = row + b * block_bytes(qtype); \
+    *a = HALF(blk); \
     *c = 0.0f; \
-    switch (qtype) { \
-    case Q4_K: case Q5_K: \
-        blk = row + (b >> 3) * block_bytes(qtype); \
-        k4_scale_min(blk + 4, (int)(b & 7), &sc, &mn); \
-        *lo = *hi = HALF(blk) * (float)sc; \
-        *c = -(HALF(blk + 2) * (float)mn); \
-        return; \
-    case Q6_K: \
-        blk = row + (b >> 3) * 210; \
-        *lo = HALF(blk + 208) * (float)(int8_t)blk[192 + 2 * (b & 7)]; \
-        *hi = HALF(blk + 208) * (float)(int8_t)blk[193 + 2 * (b & 7)]; \
-        return; \
-    default: \
-        blk = row + b * block_bytes(qtype); \
-        *lo = *hi = HALF(blk); \
-        if (qtype == Q4_1 || qtype == Q5_1) *c = HALF(blk + 2); \
-        else if (qtype == Q4_0) *c = -8.0f * *lo; \
-        else if (qtype == Q5_0) *c = -16.0f * *lo; \
-    } \
+    if (qtype == Q4_1 || qtype == Q5_1) *c = HALF(blk + 2); \
+    else if (qtype == Q4_0) *c = -8.0f * *a; \
+    else if (qtype == Q5_0) *c = -16.0f * *a; \
 }
 
-static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *lo, float *hi, float *c)
+static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *a, float *c)
 BLOCK_SCALES_BODY(half_at)
 
 /* ---- activations ---- */
@@ -166,6 +160,30 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, XBlock *out) {
             }
             o->d = d;
             o->s = d * (float)sum;
+        }
+    }
+}
+
+static void quantize_rows_k(const float *x, int64_t m, int64_t k, XKBlock *out) {
+    int64_t nb = k / QKK;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QKK;
+            XKBlock *o = out + r * nb + b;
+            float amax = 0.0f;
+            for (int i = 0; i < QKK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int s = 0; s < 16; s++) {
+                int sum = 0;
+                for (int i = 16 * s; i < 16 * s + 16; i++) {
+                    int q = (int)nearbyintf(v[i] * id);
+                    q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                    o->q[i] = (int8_t)q;
+                    sum += q;
+                }
+                o->sums[s] = (int16_t)sum;
+            }
+            o->d = d;
         }
     }
 }
@@ -234,18 +252,91 @@ static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_
             const XBlock *xr = xq + r * nb;
             float lane[8] = {0}, off = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                float lo, hi, c;
-                block_scales(qtype, wr, b, &lo, &hi, &c);
+                float a, c;
+                block_scales(qtype, wr, b, &a, &c);
                 unpack_codes(qtype, wr, b, u);
-                float scale[2] = {lo * xr[b].d, hi * xr[b].d};
+                float scale = a * xr[b].d;
                 for (int j = 0; j < 8; j++) {
                     int32_t s = 0;
                     for (int t = 0; t < 4; t++) s += (int32_t)u[4 * j + t] * (int32_t)xr[b].q[4 * j + t];
-                    lane[j] = fmaf(scale[j >> 2], (float)s, lane[j]);
+                    lane[j] = fmaf(scale, (float)s, lane[j]);
                 }
                 if (offsets) off = fmaf(c, xr[b].s, off);
             }
             float sum = lanes_sum(lane) + off;
+            y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
+        }
+    }
+}
+
+/* ---- K types, a super-block at a time ----
+ * Per output, eight int32 lanes gather a super-block exactly: lane l holds, over its eight 32-blocks
+ * j, the sub-block's integer scale times the dot product of elements 4l..4l+3 of block j (unsigned
+ * codes: Q6_K's 0..63, its offset of 32 taken off once, as 32 times lane l's share of the scales
+ * times the per-16 sums, 16-blocks 2l and 2l + 1), and for Q4_K and Q5_K eight more lanes the mins'
+ * part, lane l = min of sub-block l times the sum of its 32 activations. Then per float lane: one
+ * fused multiply-add of d * xd with the first, one of -(dmin * xd) with the second, in K order;
+ * finally the fixed horizontal sum. Integers are exact, so only the float steps have an order, and
+ * both paths take the same one. */
+
+/* The 8 scales and 8 mins (6 bits each) of a Q4_K / Q5_K super-block. */
+static inline void k4_unpack(const uint8_t *packed, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        k4_scale_min(packed, j, &s, &m);
+        sc[j] = (uint8_t)s;
+        mn[j] = (uint8_t)m;
+    }
+}
+
+/* Super-block sb of a row against its activation block: the float lanes take its two terms. */
+static inline void superblock_portable(int qtype, const uint8_t *row, int64_t sb, const XKBlock *x, float *lane) {
+    int32_t dot[8] = {0}, low[8] = {0};
+    int8_t u[QK];
+    float dx, mx = 0.0f;
+    const uint8_t *blk = row + sb * block_bytes(qtype);
+    if (qtype == Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int j = 0; j < 8; j++) {
+            unpack_codes(qtype, row, sb * 8 + j, u);
+            for (int l = 0; l < 8; l++) {
+                int32_t s = 0;
+                for (int t = 0; t < 4; t++) s += (int32_t)(u[4 * l + t] + 32) * (int32_t)x->q[32 * j + 4 * l + t];
+                dot[l] += (int32_t)sc[2 * j + (l >> 2)] * s;
+            }
+        }
+        for (int l = 0; l < 8; l++)
+            dot[l] -= 32 * ((int32_t)sc[2 * l] * x->sums[2 * l] + (int32_t)sc[2 * l + 1] * x->sums[2 * l + 1]);
+        dx = half_at(blk + 208) * x->d;
+    } else {
+        uint8_t sc[8], mn[8];
+        k4_unpack(blk + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            unpack_codes(qtype, row, sb * 8 + j, u);
+            for (int l = 0; l < 8; l++) {
+                int32_t s = 0;
+                for (int t = 0; t < 4; t++) s += (int32_t)u[4 * l + t] * (int32_t)x->q[32 * j + 4 * l + t];
+                dot[l] += (int32_t)sc[j] * s;
+            }
+        }
+        for (int l = 0; l < 8; l++) low[l] = (int32_t)mn[l] * (x->sums[2 * l] + x->sums[2 * l + 1]);
+        dx = half_at(blk) * x->d;
+        mx = -(half_at(blk + 2) * x->d);
+    }
+    for (int l = 0; l < 8; l++) {
+        lane[l] = fmaf(dx, (float)dot[l], lane[l]);
+        if (qtype != Q6_K) lane[l] = fmaf(mx, (float)low[l], lane[l]);
+    }
+}
+
+static void rows_portable_k(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                            const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    for (int64_t col = n0; col < n1; col++) {
+        const uint8_t *wr = w + col * row_bytes;
+        for (int64_t r = 0; r < m; r++) {
+            float lane[8] = {0};
+            for (int64_t sb = 0; sb < nsb; sb++) superblock_portable(qtype, wr, sb, xk + r * nsb + sb, lane);
+            float sum = lanes_sum(lane);
             y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
         }
     }
@@ -271,39 +362,16 @@ AVX2 static inline __m256i nibbles16(const uint8_t *qs) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-/* 32 bytes of nibbles: the low ones (high = 0) or the high ones, as bytes 0..15. */
-AVX2 static inline __m256i nibbles32(const uint8_t *qs, int high) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)qs);
-    if (high) v = _mm256_srli_epi16(v, 4);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-}
-
-/* Bits `shift`.. (`mask` wide) of each of 32 bytes, moved up to bit 4. */
-AVX2 static inline __m256i high_bits(const uint8_t *p, int shift, int mask) {
-    __m256i v = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p), _mm_cvtsi32_si128(shift));
-    return _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi8((char)mask)), 4);
-}
-
-/* The codes of block b of a row, as unpack_codes gives them. */
+/* The codes of 32-wide block b of a row, as unpack_codes gives them. */
 AVX2 static inline __attribute__((always_inline)) __m256i codes_avx2(const int qtype, const uint8_t *row, int64_t b) {
     const uint8_t *blk;
-    int j = (int)(b & 7);
     switch (qtype) {
-    case Q8_0: return _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2));
     case Q4_0: return nibbles16(row + b * 18 + 2);
     case Q4_1: return nibbles16(row + b * 20 + 4);
     case Q5_0: case Q5_1:
         blk = row + b * block_bytes(qtype) + (qtype == Q5_1 ? 4 : 2);
         return _mm256_or_si256(nibbles16(blk + 4), _mm256_and_si256(bits_to_bytes(blk), _mm256_set1_epi8(0x10)));
-    case Q4_K: return nibbles32(row + (b >> 3) * 144 + 16 + 32 * (j >> 1), j & 1);
-    case Q5_K:
-        blk = row + (b >> 3) * 176;
-        return _mm256_or_si256(nibbles32(blk + 48 + 32 * (j >> 1), j & 1), high_bits(blk + 16, j, 1));
-    default: /* Q6_K */
-        blk = row + (b >> 3) * 210;
-        return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 64 * (j >> 2) + 32 * (j & 1), j & 2),
-                                               high_bits(blk + 128 + 32 * (j >> 2), 2 * (j & 3), 3)),
-                               _mm256_set1_epi8(32));
+    default: return _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); /* Q8_0 */
     }
 }
 
@@ -324,14 +392,8 @@ AVX2 static inline float half_f16c(const uint8_t *p) {
 
 /* block_scales with the F16C conversion (exact too): the same body, another half-to-float. */
 AVX2 static inline __attribute__((always_inline)) void scales_f16c(const int qtype, const uint8_t *row, int64_t b,
-                                                                   float *lo, float *hi, float *c)
+                                                                   float *a, float *c)
 BLOCK_SCALES_BODY(half_f16c)
-
-/* The lanes' scales times the activation block's: one for all eight, or Q6_K's two halves. */
-AVX2 static inline __m256 lane_scales(const int qtype, float lo, float hi, float xd) {
-    if (qtype == Q6_K) return _mm256_set_m128(_mm_set1_ps(hi * xd), _mm_set1_ps(lo * xd));
-    return _mm256_set1_ps(lo * xd);
-}
 
 AVX2 static inline void finish_avx2(const __m256 *acc, const float *off, int rows, float *out, int accumulate) {
     for (int i = 0; i < rows; i++) {
@@ -362,10 +424,10 @@ strip_direct(const int qtype, const int rows, const uint8_t *w, int64_t row_byte
         for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
         for (int i = 0; i < rows; i++) {
             const uint8_t *row = w + (c0 + i) * row_bytes;
-            float lo, hi, c;
-            scales_f16c(qtype, row, b, &lo, &hi, &c);
+            float a, c;
+            scales_f16c(qtype, row, b, &a, &c);
             __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes_avx2(qtype, row, b), q));
-            acc[i] = _mm256_fmadd_ps(lane_scales(qtype, lo, hi, xd), s, acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a * xd), s, acc[i]);
             if (!sgn) off[i] = fmaf(c, xs, off[i]);
         }
     }
@@ -391,19 +453,16 @@ AVX2 static void rows_avx2_direct(int qtype, const uint8_t *w, int64_t row_bytes
             case Q4_1: STRIP_DIRECT(Q4_1); break;
             case Q5_0: STRIP_DIRECT(Q5_0); break;
             case Q5_1: STRIP_DIRECT(Q5_1); break;
-            case Q4_K: STRIP_DIRECT(Q4_K); break;
-            case Q5_K: STRIP_DIRECT(Q5_K); break;
-            case Q6_K: STRIP_DIRECT(Q6_K); break;
             default: STRIP_DIRECT(Q8_0); break;
             }
         }
     }
 }
 
-/* Every x row against one decoded strip; `six` (two scales a block) and `sgn` (no offsets) are
- * constants where it is inlined, so the inner loop has no branch. */
+/* Every x row against one decoded strip; `sgn` (no offsets) is a constant where it is inlined, so
+ * the inner loop has no branch. */
 AVX2 static inline __attribute__((always_inline)) void
-strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa, const float *sh, const float *sb,
+strips_meet(const int sgn, const __m256i *codes, const float *sa, const float *sb,
             int rows, const XBlock *xq, int64_t m, int64_t nb, float *y, int64_t n, int accumulate) {
     for (int64_t r = 0; r < m; r++) {
         const XBlock *xr = xq + r * nb;
@@ -416,9 +475,7 @@ strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa,
             for (int i = 0; i < rows; i++) {
                 int64_t at = b * STRIP + i;
                 __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[at], q));
-                __m256 scale = six ? _mm256_set_m128(_mm_set1_ps(sh[at] * xd), _mm_set1_ps(sa[at] * xd))
-                                   : _mm256_set1_ps(sa[at] * xd);
-                acc[i] = _mm256_fmadd_ps(scale, s, acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sa[at] * xd), s, acc[i]);
                 if (!sgn) off[i] = fmaf(sb[at], xs, off[i]);
             }
         }
@@ -430,10 +487,9 @@ strips_meet(const int six, const int sgn, const __m256i *codes, const float *sa,
  * then met by every x row. */
 AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                                   const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
-    int sgn = signed_codes(qtype), six = qtype == Q6_K;
+    int sgn = signed_codes(qtype);
     __m256i *codes = aligned_alloc(32, (size_t)STRIP * nb * sizeof(__m256i));
-    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sh = malloc((size_t)STRIP * nb * sizeof(float));
-    float *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
         for (int i = 0; i < rows; i++) {
@@ -445,22 +501,319 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
                 case Q4_1: codes[at] = codes_avx2(Q4_1, wr, b); break;
                 case Q5_0: codes[at] = codes_avx2(Q5_0, wr, b); break;
                 case Q5_1: codes[at] = codes_avx2(Q5_1, wr, b); break;
-                case Q4_K: codes[at] = codes_avx2(Q4_K, wr, b); break;
-                case Q5_K: codes[at] = codes_avx2(Q5_K, wr, b); break;
-                case Q6_K: codes[at] = codes_avx2(Q6_K, wr, b); break;
                 default: codes[at] = codes_avx2(Q8_0, wr, b); break;
                 }
-                scales_f16c(qtype, wr, b, &sa[at], &sh[at], &sb[at]);
+                scales_f16c(qtype, wr, b, &sa[at], &sb[at]);
             }
         }
-        if (six) strips_meet(1, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
-        else if (sgn) strips_meet(0, 1, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
-        else strips_meet(0, 0, codes, sa, sh, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        if (sgn) strips_meet(1, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        else strips_meet(0, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate);
     }
     free(codes);
     free(sa);
-    free(sh);
     free(sb);
+}
+
+/* ---- K types on AVX2: the lanes superblock_portable sums, eight at a time ---- */
+
+/* Int16 `i` of each 128-bit half of v, in all eight int16 of that half. */
+#define SPREAD16(v, i) _mm256_shuffle_epi8((v), _mm256_set1_epi16((short)(0x0100 + 0x0202 * (i))))
+
+/* The 12 packed bytes of a Q4_K / Q5_K super-block as bytes: scales 0-7, then mins 0-7 (k4_unpack's
+ * values). With a0, a1, a2 its three words: scales 0-3 are a0's low 6 bits a byte, mins 0-3 a1's;
+ * scales 4-7 are a2's low nibbles with a0's top 2 bits above them, mins 4-7 a2's high nibbles with
+ * a1's. The bytes read past them are the block's own codes, masked away. */
+AVX2 static inline __m128i k4_scales_avx2(const uint8_t *blk) {
+    __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
+    __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_set_epi32(4, 0, 0, 0));
+    __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+    return _mm_or_si128(_mm_and_si128(low, _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f)),
+                        _mm_and_si128(top, _mm_set_epi32(0x30303030, 0, 0x30303030, 0)));
+}
+
+AVX2 static inline __attribute__((always_inline)) __m256
+superblock_k4(const int qtype, const uint8_t *blk, const XKBlock *x, __m256i sums, __m256 acc) {
+    __m128i sm = k4_scales_avx2(blk);
+    __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10,
+                                                                          10, 9, 9, 8, 8)));
+    __m256i low = _mm256_madd_epi16(mins, sums), dot = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0f);
+    __m256i bit4 = _mm256_set1_epi8(0x10), hb = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : m4;
+    const uint8_t *qs = blk + (qtype == Q5_K ? 48 : 16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (qtype == Q5_K) { /* bit j of each byte of qh is the fifth bit of sub-block j */
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+        __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x->q + 64 * p)));
+        __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x->q + 64 * p + 32)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(plo, SPREAD16(scales, 2 * p)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(phi, SPREAD16(scales, 2 * p + 1)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_f16c(blk) * x->d), _mm256_cvtepi32_ps(dot), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(-(half_f16c(blk + 2) * x->d)), _mm256_cvtepi32_ps(low), acc);
+}
+
+AVX2 static inline __attribute__((always_inline)) __m256
+superblock_q6k(const uint8_t *blk, const XKBlock *x, __m256i sums, __m256 acc) {
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    /* the codes' offset of 32, taken off once: lane l loses 32 (sc[2l] sums[2l] + sc[2l+1] sums[2l+1]) */
+    __m256i dot = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
+    __m256i m4 = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        /* scales 8h..8h+7 as int16 in both halves; block 4h + t takes 2t (low lanes) and 2t + 1 */
+        __m256i sv = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
+        __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), top)),
+        };
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m256i p = _mm256_maddubs_epi16(u[t], _mm256_loadu_si256((const __m256i *)(x->q + 128 * h + 32 * t)));
+            __m256i s = _mm256_shuffle_epi8(sv, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * t)),
+                                                                 _mm_set1_epi16((short)(0x0100 + 0x0404 * t))));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, s));
+        }
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(half_f16c(blk + 208) * x->d), _mm256_cvtepi32_ps(dot), acc);
+}
+
+/* One x row against a strip of `rows` weight rows, a super-block at a time (constant qtype and
+ * rows where inlined, as strip_direct). */
+AVX2 static inline __attribute__((always_inline)) void
+strip_k(const int qtype, const int rows, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1,
+        const XKBlock *xr, int64_t nsb, float *out, int accumulate) {
+    const int bb = block_bytes(qtype);
+    const float off[STRIP] = {0};
+    __m256 acc[STRIP];
+    for (int i = 0; i < STRIP; i++) acc[i] = _mm256_setzero_ps();
+    /* the next strip streams in while this one is summed: a K type's strip is 4.6-6.7 KB at k = 2048,
+     * and fetching eight strips ahead, as strip_direct does, took 25-45% more time than one ahead in a
+     * cold one-row call (weights out of cache; one, two, four and eight ahead measured) */
+    const char *next = (const char *)(w + (c0 + STRIP) * row_bytes);
+    int64_t ahead = c0 + STRIP < n1 ? STRIP * row_bytes : 0, per = (STRIP * row_bytes + nsb - 1) / nsb;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m256i sums = _mm256_loadu_si256((const __m256i *)xr[sb].sums);
+        for (int64_t p = sb * per; p < (sb + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *blk = w + (c0 + i) * row_bytes + sb * bb;
+            acc[i] = qtype == Q6_K ? superblock_q6k(blk, xr + sb, sums, acc[i])
+                                   : superblock_k4(qtype, blk, xr + sb, sums, acc[i]);
+        }
+    }
+    finish_avx2(acc, off, rows, out, accumulate);
+}
+
+#define STRIP_K(QT)                                                                                         \
+    do {                                                                                                    \
+        if (rows == STRIP) strip_k(QT, STRIP, w, row_bytes, c0, n1, xr, nsb, out, accumulate);              \
+        else strip_k(QT, rows, w, row_bytes, c0, n1, xr, nsb, out, accumulate);                             \
+    } while (0)
+
+AVX2 static void rows_avx2_k(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                             const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
+        int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        for (int64_t r = 0; r < m; r++) {
+            const XKBlock *xr = xk + r * nsb;
+            float *out = y + r * n + c0;
+            if (qtype == Q4_K) STRIP_K(Q4_K);
+            else if (qtype == Q5_K) STRIP_K(Q5_K);
+            else STRIP_K(Q6_K);
+        }
+    }
+}
+
+/* Many x rows: a super-block of a weight row decoded once (codes, scales, mins), then met by every
+ * x row; the integers and the float steps are superblock_k4's and superblock_q6k's. */
+typedef struct {
+    __m256i u[8];    /* codes of the eight 32-blocks (Q6_K's unsigned, 0..63) */
+    __m256i sa, sb;  /* Q4_K / Q5_K: the scales as int16 in both halves; Q6_K: scales 0-7 and 8-15 so */
+    __m256i extra;   /* Q4_K / Q5_K: each min twice, as int16; Q6_K: the 16 scales as int16 */
+    float d, dmin;
+} KDec;
+
+AVX2 static inline __attribute__((always_inline)) void decode_k(const int qtype, const uint8_t *blk, KDec *k) {
+    __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (qtype == Q6_K) {
+        __m256i top = _mm256_set1_epi8(0x30);
+        k->extra = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        k->sa = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192))));
+        k->sb = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 200))));
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            k->u[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top));
+            k->u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top));
+            k->u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, top));
+            k->u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
+        }
+        k->d = half_f16c(blk + 208);
+        return;
+    }
+    __m128i sm = k4_scales_avx2(blk);
+    k->sa = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    k->extra = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10,
+                                                                      9, 9, 8, 8)));
+    __m256i bit4 = _mm256_set1_epi8(0x10), hb = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : m4;
+    const uint8_t *qs = blk + (qtype == Q5_K ? 48 : 16);
+    for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (qtype == Q5_K) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+        k->u[2 * p] = lo;
+        k->u[2 * p + 1] = hi;
+    }
+    k->d = half_f16c(blk);
+    k->dmin = half_f16c(blk + 2);
+}
+
+AVX2 static inline __attribute__((always_inline)) __m256
+meet_k(const int qtype, const KDec *k, const XKBlock *x, __m256i sums, __m256 acc) {
+    __m256i dot;
+    if (qtype == Q6_K) {
+        dot = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(k->extra, sums), 5));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i p = _mm256_maddubs_epi16(k->u[j], _mm256_loadu_si256((const __m256i *)(x->q + 32 * j)));
+            __m256i s = _mm256_shuffle_epi8(j < 4 ? k->sa : k->sb,
+                                            _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * (j & 3))),
+                                                             _mm_set1_epi16((short)(0x0100 + 0x0404 * (j & 3)))));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, s));
+        }
+        return _mm256_fmadd_ps(_mm256_set1_ps(k->d * x->d), _mm256_cvtepi32_ps(dot), acc);
+    }
+    dot = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256i p = _mm256_maddubs_epi16(k->u[j], _mm256_loadu_si256((const __m256i *)(x->q + 32 * j)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, SPREAD16(k->sa, j)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(k->d * x->d), _mm256_cvtepi32_ps(dot), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(-(k->dmin * x->d)), _mm256_cvtepi32_ps(_mm256_madd_epi16(k->extra, sums)), acc);
+}
+
+AVX2 static inline __attribute__((always_inline)) void
+strip_meet_k(const int qtype, const int rows, const KDec *dec, const XKBlock *xk, int64_t m, int64_t nsb, float *y,
+             int64_t n, int accumulate) {
+    const float off[STRIP] = {0};
+    for (int64_t r = 0; r < m; r++) {
+        const XKBlock *xr = xk + r * nsb;
+        __m256 acc[STRIP];
+        for (int i = 0; i < STRIP; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            __m256i sums = _mm256_loadu_si256((const __m256i *)xr[sb].sums);
+            for (int i = 0; i < rows; i++) acc[i] = meet_k(qtype, dec + sb * STRIP + i, xr + sb, sums, acc[i]);
+        }
+        finish_avx2(acc, off, rows, y + r * n, accumulate);
+    }
+}
+
+#define STRIP_MEET_K(QT)                                                                                    \
+    do {                                                                                                    \
+        for (int i = 0; i < rows; i++)                                                                      \
+            for (int64_t sb = 0; sb < nsb; sb++)                                                            \
+                decode_k(QT, w + (c0 + i) * row_bytes + sb * block_bytes(QT), dec + sb * STRIP + i);        \
+        if (rows == STRIP) strip_meet_k(QT, STRIP, dec, xk, m, nsb, y + c0, n, accumulate);                 \
+        else strip_meet_k(QT, rows, dec, xk, m, nsb, y + c0, n, accumulate);                                \
+    } while (0)
+
+AVX2 static void rows_avx2_k_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                    const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    KDec *dec = aligned_alloc(32, (size_t)STRIP * nsb * sizeof(KDec));
+    if (!dec) { /* the same sums, each x row decoding for itself */
+        rows_avx2_k(qtype, w, row_bytes, n0, n1, n, xk, m, nsb, y, accumulate);
+        return;
+    }
+    for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
+        int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        if (qtype == Q4_K) STRIP_MEET_K(Q4_K);
+        else if (qtype == Q5_K) STRIP_MEET_K(Q5_K);
+        else STRIP_MEET_K(Q6_K);
+    }
+    free(dec);
+}
+
+/* ---- activations on AVX2: quantize_rows' and quantize_rows_k's numbers, eight at a time ----
+ * max|x| is exact in any order; x * (1 / d) is the same product; rounding to nearest even and the
+ * conversion (NaN and overflow give INT_MIN, as the portable path's conversion does on x86) and the
+ * integer clamp to +-127 follow the portable steps one for one. */
+
+AVX2 static inline float amax_avx2(const float *v, int count) {
+    __m256 m = _mm256_setzero_ps(), abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < count; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs), m); /* NaN: kept m */
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+AVX2 static inline int hsum_epi32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* 32 values times id, rounded and clamped into q; the sums of elements 0..15 and 16..31. */
+AVX2 static inline void quantize32_avx2(const float *v, float id, int8_t *q, int *sum_lo, int *sum_hi) {
+    __m256 s = _mm256_set1_ps(id);
+    __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), i[4];
+    for (int t = 0; t < 4; t++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * t), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i[t] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
+    }
+    *sum_lo = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
+    *sum_hi = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
+    /* the packs interleave 4-element groups across the halves; the permute puts them back */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+AVX2 static void quantize_rows_avx2(const float *x, int64_t m, int64_t k, XBlock *out) {
+    int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QK;
+            XBlock *o = out + r * nb + b;
+            float d = amax_avx2(v, QK) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int lo, hi;
+            quantize32_avx2(v, id, o->q, &lo, &hi);
+            o->d = d;
+            o->s = d * (float)(lo + hi);
+        }
+}
+
+AVX2 static void quantize_rows_k_avx2(const float *x, int64_t m, int64_t k, XKBlock *out) {
+    int64_t nb = k / QKK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QKK;
+            XKBlock *o = out + r * nb + b;
+            float d = amax_avx2(v, QKK) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int c = 0; c < 8; c++) {
+                int lo, hi;
+                quantize32_avx2(v + 32 * c, id, o->q + 32 * c, &lo, &hi);
+                o->sums[2 * c] = (int16_t)lo;
+                o->sums[2 * c + 1] = (int16_t)hi;
+            }
+            o->d = d;
+        }
 }
 
 static void rows_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
@@ -483,8 +836,8 @@ static int cpu_has_avx2(void) { return 0; }
 typedef struct {
     int qtype, isa_avx2, accumulate;
     const uint8_t *w;
-    int64_t row_bytes, n, m, nb;
-    const XBlock *xq;
+    int64_t row_bytes, n, m, nb; /* nb: x's blocks a row (32-wide, or 256-wide for a K type) */
+    const void *xq;              /* XBlock or, for a K type, XKBlock */
     float *y;
 } MatJob;
 
@@ -527,13 +880,17 @@ static void matmul_part(const void *ctx, int part, int parts) {
     int64_t s0 = strips * part / parts, s1 = strips * (part + 1) / parts;
     int64_t n0 = s0 * STRIP, n1 = s1 * STRIP < j->n ? s1 * STRIP : j->n;
     if (n0 >= n1) return;
+    int k_type = block_elems(j->qtype) == QKK;
 #if HAVE_X86
     if (j->isa_avx2) {
-        rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        if (k_type && j->m >= K_STRIPS_FROM) rows_avx2_k_strips(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        else if (k_type) rows_avx2_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        else rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         return;
     }
 #endif
-    rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+    if (k_type) rows_portable_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+    else rows_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
 }
 
 static void run_part(int part) { job.fn(job.ctx, part, job.parts); }
@@ -1021,10 +1378,18 @@ typedef struct {
 } WRef;
 
 static int matmul_c(const WRef *wr, const float *x, int64_t m, float *y, int threads, int isa, int accumulate) {
-    XBlock *xq = malloc((size_t)(m * (wr->k / QK) + 1) * sizeof(XBlock));
+    int k_type = block_elems(wr->qtype) == QKK;
+    int64_t nb = wr->k / block_elems(wr->qtype);
+    void *xq = malloc((size_t)(m * nb + 1) * (k_type ? sizeof(XKBlock) : sizeof(XBlock)));
     if (!xq) return -1;
-    quantize_rows(x, m, wr->k, xq);
-    MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, wr->k / QK, xq, y};
+#if HAVE_X86
+    if (isa && k_type) quantize_rows_k_avx2(x, m, wr->k, xq);
+    else if (isa) quantize_rows_avx2(x, m, wr->k, xq);
+    else
+#endif
+    if (k_type) quantize_rows_k(x, m, wr->k, xq);
+    else quantize_rows(x, m, wr->k, xq);
+    MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, nb, xq, y};
     Job j = {matmul_part, &mj, 1};
     run_job(&j, threads < 1 ? 1 : threads);
     free(xq);

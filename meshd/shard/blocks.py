@@ -3,8 +3,8 @@ Q8_0, Q4_K, Q5_K and Q6_K, its RMSNorm and its attention over bfloat16 KV.
 
 Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte) and
 multiplies them with integer dot products against float32 activations quantized to 8 bits per
-32-wide block (a K type's 256-wide super-block is met as eight such blocks, each with its own scale,
-Q6_K's with one per 16-wide half), in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
+32-wide block (for a K type, per 256-wide super-block, whose sub-block scales, mins and Q6_K's code
+offset are then applied in integers, one float step per super-block), in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
 one fixed order whatever the row count, batch, thread count or CPU (AVX2 or the portable C path), so
 a row's bits never depend on its neighbours or on the peer. Where the extension did not build, `KERNEL`
 is None, the lane falls back to torch's int4 layout, and its recipe layout says so.
@@ -79,8 +79,10 @@ def torch_matmul_threads(weight_elements: int):
 
 
 # v2: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K joined the kernel (v1 ran them in torch's int4 layout)
-LAYOUT = (f"gguf-blocks ({','.join(sorted(t.name for t in TYPES))}) x q8-g32 activations, fixed-order sums;"
-          " rms-norm, rope, silu and attention per row in _blocks.c; v2")
+# v3: K types' activations quantized per 256-wide super-block (with per-16 sums), not per 32
+LAYOUT = (f"gguf-blocks ({','.join(sorted(t.name for t in TYPES))}) x q8-g32 activations (K types: q8-g256"
+          " with per-16 sums, integer super-block sums), fixed-order sums;"
+          " rms-norm, rope, silu and attention per row in _blocks.c; v3")
 
 
 def available(qtype: QT) -> bool:
