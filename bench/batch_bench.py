@@ -118,14 +118,15 @@ def snapshot(daemons) -> list[dict]:
 
 def bench_mode(levels: list[int], tokens: int, threads: int, forwarding: bool, gather_ms: float = 0.0,
                split: list[tuple[int, int]] = EVEN, cpus: list[set[int]] | None = None, microbatches: int = 2,
-               cpu_share: float = 0.0) -> dict:
+               cpu_share: float = 0.0, speculate: str = "auto") -> dict:
     with contextlib.ExitStack() as stack:
         # each daemon in its own cpu cgroup: a machine of `cpu_share` cores each, on one box
         groups = [stack.enter_context(open_cpu_cgroup(cpu_share)) for _ in split] if cpu_share else []
         mesh = Mesh(env={"MESHD_RECORD_TTL": "30", "MESHD_FORWARDING": "1" if forwarding else "0",
                          "MESHD_GATHER_MS": str(gather_ms)})
         try:
-            daemons = mesh.start_chain(split, extra=["--threads", str(threads), "--microbatches", str(microbatches)])
+            daemons = mesh.start_chain(split, extra=["--threads", str(threads), "--microbatches", str(microbatches),
+                                                       "--speculate", speculate])
             for d, where in zip(daemons, cpus or []):
                 pin(d.proc.pid, where)
             for d, group in zip(daemons, groups):
@@ -192,6 +193,8 @@ def main() -> None:
     ap.add_argument("--microbatches", default="2", help="the entry's --microbatches; several values separated by ','"
                     " run side by side (1: every generation in one, as before they existed; 0: one per daemon on"
                     " the route)")
+    ap.add_argument("--speculate", default="auto", help="the entry's --speculate (auto, off); 'auto,off' runs both"
+                    " side by side")
     ap.add_argument("--out", help="also write the JSON result there, and its PNG plot beside it")
     args = ap.parse_args()
     cpus = [parse_cpus(c) for c in args.pin.split(";")] if args.pin else None
@@ -200,9 +203,11 @@ def main() -> None:
     for split in args.splits.split(";"):
         for mode in args.modes.split(","):
             for microbatches in args.microbatches.split(","):
-                res[f"{mode} {split} mb {microbatches}"] = bench_mode(
-                    levels, args.tokens, args.threads, mode != "relay", args.gather_ms if mode == "gather" else 0,
-                    parse_split(split), cpus, int(microbatches), args.cpu_share)
+                for spec in args.speculate.split(","):
+                    name = f"{mode} {split} mb {microbatches}" + (f" spec {spec}" if "," in args.speculate else "")
+                    res[name] = bench_mode(
+                        levels, args.tokens, args.threads, mode != "relay", args.gather_ms if mode == "gather" else 0,
+                        parse_split(split), cpus, int(microbatches), args.cpu_share, spec)
     where = f" pinned {args.pin}" if cpus else " shared"
     print(f"3 daemons on loopback, SmolLM2 native, {args.tokens} new tokens a session,"
           f" {args.threads} torch thread(s) each, {os.cpu_count()} cores{where}"
