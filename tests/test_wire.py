@@ -44,6 +44,7 @@ def all_messages():
         w.Heartbeat(seq=9, sent_at=1.5),
         w.Error(code=w.ErrorCode.BUSY, message="full", retriable=True, request_id=4, session_id=SID, retry_after_s=0.5),
         w.GenerateRequest(request_id=4, prompt="héllo", max_tokens=8, temperature=0.0, chat=True),
+        w.GenerateRequest(request_id=4, prompt="x", verify=True, speculate=False),
         w.StreamEvent(request_id=4, kind="done", stats={"tokens": 8, "route": [["a", 0, 30]]}),
         w.StatusRequest(request_id=5),
         w.DrainRequest(request_id=6, exit=True),

@@ -2,7 +2,7 @@
 
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] PROMPT
+            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] [--verify] PROMPT
     meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
     meshctl [--socket PATH] drain [--exit]
     meshctl [--socket PATH] ledger [--json] [--since DATE] [--peer ID]
@@ -135,6 +135,17 @@ def draft_line(spec: dict | None) -> str:
             f" {sent} sent, {kept} accepted{rate}")
 
 
+def check_lines(checks: dict | None) -> list[str]:
+    """Checked generations (a second route a token must agree with) and the peers excluded after one."""
+    if not checks:
+        return []
+    lines = [f"checks    verify rate {checks.get('verify_rate', 0):g}: {checks.get('checked', 0)} checked,"
+             f" {checks.get('disagreed', 0)} disagreed, {len(checks.get('excluded', []))} peers excluded"]
+    lines += [f"excluded  {row['peer']} for {row['left_s']:.0f} s more (time {row['times']}): {row['reason']}"
+              for row in checks.get("excluded", [])]
+    return lines
+
+
 def mesh_key_line(key: dict | None) -> str:
     """Whether only holders of a swarm key may connect."""
     if not key or not key.get("private"):
@@ -198,7 +209,7 @@ def render_status(st: dict) -> str:
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
-             load_line(st), draft_line(st.get("speculation"))] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
+             load_line(st), draft_line(st.get("speculation")), *check_lines(st.get("checks"))] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(mesh_key_line(st.get("mesh_key")))
     lines.append(reach_line(st.get("reachability")))
@@ -249,7 +260,7 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
 def generate(path: Path, args) -> int:
     req = GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate)
+                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate, verify=args.verify)
     code, stats, _ = stream_answer(path, req, args.timeout)
     if code == 0:
         sys.stdout.write("\n")
@@ -370,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-text")
     g.add_argument("--no-speculate", action="store_true", help="plain decoding: no draft tokens for this request"
                    " (the text is the same; speculation only changes how many tokens a trip returns)")
+    g.add_argument("--verify", action="store_true", help="check this generation on a second route of other daemons:"
+                   " a token only when both agree (--stats says verified: false where a range has no replica)")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
     dr = sub.add_parser("drain", help="stop taking sessions and wait until running generations finish")
     dr.add_argument("--exit", action="store_true", help="then stop the daemon (as SIGTERM does)")

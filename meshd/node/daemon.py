@@ -32,6 +32,7 @@ from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.compute import ComputeExecutor
+from meshd.entry.checks import Exclusions
 from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State
 from meshd.node.log import get_logger
@@ -77,6 +78,7 @@ class Daemon:
         self._drain_scope = trio.CancelScope()
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
         self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
+        self.exclusions = Exclusions()  # peers kept off this daemon's routes after a check (meshd/entry/checks.py)
 
     @property
     def entry(self) -> Entry | None:
@@ -89,7 +91,7 @@ class Daemon:
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
         cfg = self.artifact.config
-        s.speculate_on  # noqa: B018 -- a bad --speculate or --draft-max is refused before joining
+        s.speculate_on, s.verify_share  # noqa: B018 -- a bad --speculate, --draft-max or --verify-rate is refused
         relay_only = fixed == (0, 0)  # --layers none: a bootstrap and relay that holds no layers
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
@@ -246,7 +248,8 @@ class Daemon:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
-                               speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger)
+                               speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger,
+                               verify_rate=s.verify_share, exclusions=self.exclusions)
         old, self.slot, self.throughput = self.slot, slot, slot.throughput
         return old
 

@@ -16,9 +16,9 @@ from typing import Any, ClassVar, Optional
 from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 5  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
+PROTOCOL_VERSION = 6  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
 # 4: OpenSession.microbatch; 5: Phase.VERIFY, Token.accepted, GenerateRequest.speculate, decode frames of
-# several positions
+# several positions; 6: GenerateRequest.verify (check this generation on a second route)
 
 
 class MsgType(enum.IntEnum):
@@ -294,6 +294,7 @@ class GenerateRequest(Message):
     ignore_eos: bool = False
     messages: str = ""  # a whole conversation as JSON ([{"role", "content"}, ...]); replaces `prompt`
     speculate: bool = True  # False: no drafts for this request, whatever the entry's --speculate
+    verify: bool = False  # True: check this generation on a second route, whatever the entry's --verify-rate
 
 
 @message(MsgType.STATUS)

@@ -1,0 +1,109 @@
+"""A checked generation at the entry: the same generation on two routes at once, a token emitted only
+when both routes give it, and a third route to settle which one is wrong when they do not.
+
+Rules: the second route avoids the first route's daemons wherever another daemon serves the layers
+(`plan_route(avoid=...)`, the planner that already steps around failed and busy peers); where none
+does, those layers run unchecked and the generation says so. Both routes run without drafts (a
+checked generation does not speculate: both would have to be given the same drafts and accept alike,
+which they do, but a step's output is then several tokens to compare; plain steps keep it one).
+When the routes disagree nothing is emitted: `RoutesDisagree` leaves both, a third route replays the
+generation up to that token, and the peers of the route it disagrees with (on layers the other two
+ran elsewhere) are excluded from this daemon's routes (`checks.Exclusions`); the generation then
+goes on over new routes around them, so the client sees a pause, never a token two routes disagreed on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from meshd.entry.checks import differing_peers, settle, unchecked_layers
+from meshd.entry.errors import GenerationError, RoutesDisagree
+from meshd.entry.state import Generation
+from meshd.node.log import get_logger
+from meshd.wire import ErrorCode, Phase
+
+log = get_logger(__name__)
+
+
+async def both(fn, items) -> list:
+    """`fn(item)` for every item at once; their results in order."""
+    out: list = [None] * len(items)
+
+    async def one(i, item):
+        out[i] = await fn(item)
+
+    async with trio.open_nursery() as nursery:
+        for i, item in enumerate(items):
+            nursery.start_soon(one, i, item)
+    return out
+
+
+async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit) -> None:
+    """One try at a checked generation: two routes, in lockstep. Falls back to one route (the
+    generation unchecked, and saying so) when the mesh has no other daemon for any layer."""
+    own = [[entry.mesh.peer_id, 0, entry.end]]
+    first = entry.plan(retries.failed, retries.busy)
+    second = entry.plan(retries.failed, retries.busy, avoid={h.peer_id for h in first.hops})
+    a, b = own + first.describe(), own + second.describe()
+    gen.check.unchecked = unchecked_layers(a, b, entry.end)
+    if not differing_peers(a, b):
+        gen.check.second = []
+        log.info("no replica on the route: the generation runs unchecked", layers=gen.check.unchecked)
+        return await entry._attempt(req, gen, sampling, retries, text, emit, route=first)
+    gen.check.second = b
+    gen.begin_attempt(a + b[1:])  # both routes' hops computed every position (the ledger's credits)
+    gen.route = a
+    async with entry._open_route(first, retries.epoch, req, gen, sampling) as at_a, \
+            entry._open_route(second, retries.epoch, req, gen, sampling) as at_b:
+        tokens = await both(lambda at: entry._first_token(at, gen), [at_a, at_b])
+        while True:
+            if tokens[0] != tokens[1]:
+                raise RoutesDisagree(len(gen.tokens), (a, b), (tokens[0], tokens[1]))
+            token = tokens[0]
+            gen.check.compared += 1
+            if gen.accept(token):
+                await entry._emit(req, gen, text, token, emit)
+                return
+            position = len(gen.ids) + len(gen.tokens) - 1
+            step = len(gen.tokens)
+            async with trio.open_nursery() as overlap:  # the text goes out while both routes compute on
+                overlap.start_soon(entry._emit_all, req, gen, text, [token], emit)
+                tokens = await both(lambda at: at.step(step, Phase.DECODE, position, [token]), [at_a, at_b])
+
+
+async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, sampling, retries) -> None:
+    """Ask a third route, whose daemons differ where the two routes differed, for the token the two
+    disagreed on; exclude the peers of the route it disagrees with. Raises the GenerationError the
+    client gets when no such route exists or it agrees with neither."""
+    gen.check.disagreements += 1
+    a, b = exc.routes
+    retries.epoch += 1
+    log.warning("checked routes disagree: asking a third route", position=exc.position, tokens=list(exc.tokens),
+                peers=sorted(p[-8:] for p in differing_peers(a, b)))
+    try:
+        third = entry.plan(retries.failed, retries.busy | differing_peers(a, b))
+    except GenerationError:
+        third = None
+    c = [[entry.mesh.peer_id, 0, entry.end]] + third.describe() if third is not None else None
+    if c is None or not (differing_peers(a, c) and differing_peers(b, c)):
+        raise GenerationError(ErrorCode.HOP_FAILED, f"two routes gave different tokens at generated token"
+                              f" {exc.position} and no third server of the layers where they differ can settle it")
+    gen.begin_attempt(c)
+    async with entry._open_route(third, retries.epoch, req, gen, sampling) as at:
+        token = await entry._first_token(at, gen)
+    verdict = settle((a, b), exc.tokens, c, token)
+    if verdict.winner is None:
+        raise GenerationError(ErrorCode.HOP_FAILED, f"three routes gave three different tokens at generated token"
+                              f" {exc.position}: the mesh cannot say which is right")
+    now = time.monotonic()  # the clock of `entry.exclusions`
+    layers = {peer: [start, end] for peer, start, end in exc.routes[1 - verdict.winner]}
+    for peer in sorted(verdict.suspects):
+        reason = (f"layers {layers[peer][0]}:{layers[peer][1]} gave token {exc.tokens[1 - verdict.winner]} where two"
+                  f" other routes gave {token} (generated token {exc.position})")
+        excluded = entry.exclusions.exclude(peer, reason, now)
+        gen.check.excluded.append(peer)
+        log.warning("peer excluded from routes", peer=peer, reason=reason, times=excluded.times,
+                    seconds=round(excluded.until - now, 1))
+    retries.epoch += 1
