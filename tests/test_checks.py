@@ -135,3 +135,16 @@ def test_the_verify_flags_reach_the_request_and_the_settings():
     assert s.verify_share == 0.25 and load_settings({}, environ={}).verify_share == 0.05
     with pytest.raises(ValueError, match="--verify-rate"):
         load_settings({"verify_rate": 2.0}, environ={}).verify_share
+
+
+def test_the_liar_harness_changes_what_it_returns_and_only_from_its_position():
+    import torch
+
+    from meshd.testing.liar import lie, liar_wrap
+
+    logits = torch.tensor([0.1, 3.0, 0.2, 0.0])
+    assert int(lie(logits, 1.0, tail=True, position=0).argmax()) == 2
+    h = torch.ones(1, 2, 8)
+    assert not torch.equal(lie(h, 1.0, tail=False, position=5), h)
+    assert torch.equal(lie(h, 1.0, tail=False, position=5), lie(h, 1.0, tail=False, position=5))  # replays alike
+    assert liar_wrap(from_position=3)[-1] == "--" and "3" in liar_wrap(from_position=3)

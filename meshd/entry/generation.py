@@ -102,9 +102,13 @@ class Entry:
     async def _generate(self, req: GenerateRequest, gen: Generation, sampling, emit: Emit) -> dict:
         text = TextStream(self.tokenizer)
         retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s)
+        disagreed: RoutesDisagree | None = None  # two routes' tokens differed: a third route must settle it
         while True:
             try:
                 try:
+                    if disagreed is not None:
+                        exc, disagreed = disagreed, None
+                        await settle_disagreement(self, exc, req, gen, sampling, retries)
                     if gen.check is not None:
                         await run_checked(self, req, gen, sampling, retries, text, emit)
                     else:
@@ -113,7 +117,7 @@ class Entry:
                     raise first_of(group) from None
                 break
             except RoutesDisagree as exc:  # nothing was emitted: settle it, then go on around the liar
-                await settle_disagreement(self, exc, req, gen, sampling, retries)
+                disagreed = exc
             except HopFailed as exc:
                 if exc.busy_s is not None:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
