@@ -148,3 +148,13 @@ def test_the_liar_harness_changes_what_it_returns_and_only_from_its_position():
     assert not torch.equal(lie(h, 1.0, tail=False, position=5), h)
     assert torch.equal(lie(h, 1.0, tail=False, position=5), lie(h, 1.0, tail=False, position=5))  # replays alike
     assert liar_wrap(from_position=3)[-1] == "--" and "3" in liar_wrap(from_position=3)
+
+
+def test_a_suspect_is_tried_alone_in_place_of_the_hops_on_its_layers():
+    from meshd.entry.checks import swapped
+
+    winner = [E, ["H1", 10, 20], ["T1", 20, 30]]
+    assert swapped(winner, ["L", 10, 20]) == [E, ["L", 10, 20], ["T1", 20, 30]]
+    assert swapped(winner, ["T2", 20, 30]) == [E, ["H1", 10, 20], ["T2", 20, 30]]
+    assert swapped(winner, ["W", 10, 30]) == [E, ["W", 10, 30]]
+    assert swapped(winner, ["X", 15, 30]) is None  # no hop of the winner starts at 15

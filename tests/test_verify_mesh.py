@@ -26,7 +26,8 @@ def generate(d, *flags, tokens: int = N, prompt: str = PROMPT) -> tuple[int, str
                          timeout=600)
     lines = out.stderr.strip().splitlines()
     stats = json.loads(lines[-1]) if out.returncode == 0 and lines else {}
-    return out.returncode, out.stdout, stats, out.stderr
+    err = out.stderr if out.returncode == 0 else f"{out.stderr}\nthe entry's log:\n{d.tail(40)}"
+    return out.returncode, out.stdout, stats, err
 
 
 def peers_seen(d, n: int) -> None:

@@ -18,8 +18,9 @@ import time
 
 import trio
 
-from meshd.entry.checks import differing_peers, settle, unchecked_layers
-from meshd.entry.errors import GenerationError, RoutesDisagree
+from meshd.entry.checks import differing_peers, settle, swapped, unchecked_layers
+from meshd.entry.errors import GenerationError, RoutesDisagree, first_of
+from meshd.entry.route import Route
 from meshd.entry.state import Generation
 from meshd.node.log import get_logger
 from meshd.wire import ErrorCode, Phase
@@ -60,7 +61,7 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
         tokens = await both(lambda at: entry._first_token(at, gen), [at_a, at_b])
         while True:
             if tokens[0] != tokens[1]:
-                raise RoutesDisagree(len(gen.tokens), (a, b), (tokens[0], tokens[1]))
+                raise RoutesDisagree(len(gen.tokens), (a, b), (tokens[0], tokens[1]), first.hops + second.hops)
             token = tokens[0]
             gen.check.compared += 1
             if gen.accept(token):
@@ -83,23 +84,22 @@ async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, 
     log.warning("checked routes disagree: asking a third route", position=exc.position, tokens=list(exc.tokens),
                 peers=sorted(p[-8:] for p in differing_peers(a, b)))
     try:
-        third = entry.plan(retries.failed, retries.busy | differing_peers(a, b))
+        third = entry.plan(retries.failed, retries.busy, avoid=differing_peers(a, b))
     except GenerationError:
         third = None
     c = [[entry.mesh.peer_id, 0, entry.end]] + third.describe() if third is not None else None
     if c is None or not (differing_peers(a, c) and differing_peers(b, c)):
         raise GenerationError(ErrorCode.HOP_FAILED, f"two routes gave different tokens at generated token"
                               f" {exc.position} and no third server of the layers where they differ can settle it")
-    gen.begin_attempt(c)
-    async with entry._open_route(third, retries.epoch, req, gen, sampling) as at:
-        token = await entry._first_token(at, gen)
+    token = await token_on(entry, third, req, gen, sampling, retries)
     verdict = settle((a, b), exc.tokens, c, token)
     if verdict.winner is None:
         raise GenerationError(ErrorCode.HOP_FAILED, f"three routes gave three different tokens at generated token"
                               f" {exc.position}: the mesh cannot say which is right")
+    suspects = await narrow(entry, exc, verdict, token, third, req, gen, sampling, retries)
     now = time.monotonic()  # the clock of `entry.exclusions`
     layers = {peer: [start, end] for peer, start, end in exc.routes[1 - verdict.winner]}
-    for peer in sorted(verdict.suspects):
+    for peer in sorted(suspects):
         reason = (f"layers {layers[peer][0]}:{layers[peer][1]} gave token {exc.tokens[1 - verdict.winner]} where two"
                   f" other routes gave {token} (generated token {exc.position})")
         excluded = entry.exclusions.exclude(peer, reason, now)
@@ -107,3 +107,36 @@ async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, 
         log.warning("peer excluded from routes", peer=peer, reason=reason, times=excluded.times,
                     seconds=round(excluded.until - now, 1))
     retries.epoch += 1
+
+
+async def token_on(entry, route: Route, req, gen: Generation, sampling, retries) -> int:
+    """The token `route` gives after the generation's accepted tokens (a replay on a fresh session)."""
+    gen.begin_attempt([[entry.mesh.peer_id, 0, entry.end]] + route.describe())
+    try:
+        async with entry._open_route(route, retries.epoch, req, gen, sampling) as at:
+            return await entry._first_token(at, gen)
+    except BaseExceptionGroup as group:
+        raise first_of(group) from None
+
+
+async def narrow(entry, exc: RoutesDisagree, verdict, token: int, third: Route, req, gen: Generation, sampling,
+                 retries) -> frozenset[str]:
+    """Of several suspects, those that give a wrong token among honest hops: each is tried alone in
+    the winning route in place of the hops on its layers (a suspect that cannot be swapped in stays
+    suspect). One suspect needs no trial."""
+    if len(verdict.suspects) < 2:
+        return verdict.suspects
+    winner, loser = exc.routes[verdict.winner], exc.routes[1 - verdict.winner]
+    planned = {(h.peer_id, h.start, h.end): h for h in (*exc.hops, *third.hops)}
+    guilty = set()
+    for peer in sorted(verdict.suspects):
+        hop = next(h for h in loser if h[0] == peer)
+        trial = swapped(winner, hop)
+        if trial is None or any(tuple(h) not in planned for h in trial[1:]):
+            guilty.add(peer)
+            continue
+        route = Route(tuple(planned[tuple(h)] for h in trial[1:]), 0.0)
+        if await token_on(entry, route, req, gen, sampling, retries) != token:
+            guilty.add(peer)
+    log.info("suspects tried one at a time", suspects=len(verdict.suspects), guilty=len(guilty))
+    return frozenset(guilty or verdict.suspects)

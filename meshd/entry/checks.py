@@ -87,6 +87,17 @@ def settle(routes: tuple[list[list], list[list]], tokens: tuple[int, int], third
     return Verdict(winner, frozenset(suspects))
 
 
+def swapped(route: list[list], hop: list) -> list[list] | None:
+    """`route` with `hop` ([peer, start, end]) in place of its hops that cover exactly those layers
+    (to try one suspect among honest hops); None when no hops of `route` start and end there."""
+    _, start, end = hop
+    i = next((k for k, h in enumerate(route) if h[1] == start), None)
+    j = next((k for k, h in enumerate(route) if h[2] == end), None)
+    if i is None or j is None or j < i:
+        return None
+    return route[:i] + [list(hop)] + route[j + 1:]
+
+
 @dataclass
 class Excluded:
     peer: str

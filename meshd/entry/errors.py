@@ -66,6 +66,7 @@ class RoutesDisagree(RuntimeError):
     """The two routes of a checked generation gave different tokens after the same accepted ones:
     neither token reaches the client until a third route settles which route is wrong."""
 
-    def __init__(self, position: int, routes: tuple[list, list], tokens: tuple[int, int]):
+    def __init__(self, position: int, routes: tuple[list, list], tokens: tuple[int, int], hops=()):
         self.position, self.routes, self.tokens = position, routes, tokens
+        self.hops = tuple(hops)  # the routes' planned `Hop`s (addresses), to build trial routes from
         super().__init__(f"routes disagree at generated token {position}: {tokens[0]} against {tokens[1]}")
