@@ -52,6 +52,7 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
     if not differing_peers(a, b):
         gen.check.second = []
         log.info("no replica on the route: the generation runs unchecked", layers=gen.check.unchecked)
+        gen.drafts = gen.drafts or entry.drafts_for(req)  # one route: speculation as usual
         return await entry._attempt(req, gen, sampling, retries, text, emit, route=first)
     gen.check.second = b
     gen.begin_attempt(a + b[1:])  # both routes' hops computed every position (the ledger's credits)

@@ -80,9 +80,13 @@ class Entry:
         gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop)
         if chosen(self.verify_rate, req.verify):
             gen.check = Check()  # runs without drafts: see meshd/entry/checked.py
-        elif self.speculate and req.speculate and self.draft_max > 0:
-            gen.drafts = Drafts(self.draft_max)
+        else:
+            gen.drafts = self.drafts_for(req)
         return gen, sampling
+
+    def drafts_for(self, req: GenerateRequest) -> Drafts | None:
+        """Where a generation's drafts come from (None: plain decoding)."""
+        return Drafts(self.draft_max) if self.speculate and req.speculate and self.draft_max > 0 else None
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         gen, sampling = self.start(req)
