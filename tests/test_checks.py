@@ -158,3 +158,57 @@ def test_a_suspect_is_tried_alone_in_place_of_the_hops_on_its_layers():
     assert swapped(winner, ["T2", 20, 30]) == [E, ["H1", 10, 20], ["T2", 20, 30]]
     assert swapped(winner, ["W", 10, 30]) == [E, ["W", 10, 30]]
     assert swapped(winner, ["X", 15, 30]) is None  # no hop of the winner starts at 15
+
+
+def test_sketches_are_seeded_projections_that_see_a_changed_output():
+    import torch
+
+    from meshd.hop import sketch
+
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(1, 4, 576, generator=gen)
+    s = sketch.sketch(h, 77)
+    assert s.shape == (sketch.K,) and torch.equal(s, sketch.sketch(h.clone(), 77))
+    assert not torch.equal(s, sketch.sketch(h, 78))  # another seed, other directions
+    assert sketch.close(s, sketch.sketch(h * (1 + 1e-7), 77))  # float32 rounding is far inside the tolerance
+    wrong = h.clone()
+    wrong[0, -1, 5] += 0.5  # one element of the last row, moved by a fraction of the row's spread
+    assert not sketch.close(s, sketch.sketch(wrong, 77))
+    assert torch.equal(s, sketch.sketch(torch.cat([torch.zeros(1, 1, 576), h[:, -1:]], 1), 77))  # last row only
+
+
+def test_a_hop_adds_its_sketch_only_when_asked_and_passes_the_others_on():
+    import torch
+
+    from meshd.hop import sketch
+    from meshd.wire import Tensor
+
+    out = torch.randn(1, 1, 16)
+    assert sketch.carried((), out, (0, 10)) == ()
+    first = sketch.carried((sketch.request(5),), out, (0, 10))
+    second = sketch.carried(first, out * 2, (10, 20))
+    got = sketch.read(second)
+    assert set(got) == {(0, 10), (10, 20)} and torch.allclose(got[(10, 20)], 2 * got[(0, 10)])
+    bad = Tensor.from_torch(sketch.REQUEST, torch.tensor([1.5]))
+    assert sketch.carried((bad,), out, (0, 10)) == ()  # a malformed request changes nothing
+
+
+def test_the_first_boundary_where_sketches_part_and_the_third_route_s_verdict():
+    import torch
+
+    from meshd.entry.checks import judge
+    from meshd.hop import sketch
+
+    one, two, three = torch.ones(8), torch.full((8,), 2.0), torch.full((8,), 3.0)
+    a = {(0, 10): one, (10, 20): two, (20, 30): three}
+    b = {(0, 10): one, (10, 20): two + 1, (20, 30): three + 1}
+    assert sketch.first_divergence(a, b) == (10, 20)
+    assert sketch.first_divergence(a, dict(a)) is None
+    assert sketch.first_divergence(a, {(0, 10): one, (10, 30): three + 1}) == (10, 30)  # a route's hop spans two
+    ra = [E, ["H1", 10, 20], ["T", 20, 30]]
+    rb = [E, ["L", 10, 20], ["T", 20, 30]]
+    rc = [E, ["H2", 10, 20], ["T", 20, 30]]
+    v = judge((ra, rb), (10, 20), (a, b), rc, {(0, 10): one, (10, 20): two.clone()})
+    assert v.winner == 0 and v.suspects == {"L"}
+    assert judge((ra, rb), (10, 20), (a, b), rc, {(0, 10): one}) is None  # no sketch there: go by tokens
+    assert judge((ra, rb), (10, 20), (a, b), rc, {(10, 20): two + 5}) is None  # matches neither

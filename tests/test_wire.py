@@ -39,6 +39,8 @@ def all_messages():
         w.ForwardBatch.of([forward(t), forward(t, session_id=bytes(16), step=8, phase=w.Phase.DECODE)]),
         w.Token(session_id=SID, epoch=0, step=2, token_id=42, logprob=-0.5),
         w.Token(session_id=SID, epoch=0, step=2, token_id=42),
+        w.Token(session_id=SID, epoch=0, step=2, token_id=42,
+                tensors=(w.Tensor.from_torch("sketch:10:20", torch.arange(8, dtype=torch.float32)),)),
         w.Close(session_id=SID, epoch=0),
         w.Cancel(session_id=SID, epoch=0, reason="client went away"),
         w.Heartbeat(seq=9, sent_at=1.5),

@@ -6,22 +6,26 @@ Rules: the second route avoids the first route's daemons wherever another daemon
 does, those layers run unchecked and the generation says so. Both routes run without drafts (a
 checked generation does not speculate: both would have to be given the same drafts and accept alike,
 which they do, but a step's output is then several tokens to compare; plain steps keep it one).
-When the routes disagree nothing is emitted: `RoutesDisagree` leaves both, a third route replays the
-generation up to that token, and the peers of the route it disagrees with (on layers the other two
-ran elsewhere) are excluded from this daemon's routes (`checks.Exclusions`); the generation then
-goes on over new routes around them, so the client sees a pause, never a token two routes disagreed on.
+When the routes disagree nothing is emitted: the step runs again on both with a sketch request
+(`meshd/hop/sketch.py`), whose first differing boundary names the range that diverged; `RoutesDisagree`
+leaves both routes, a third route around that range's daemons replays the generation up to that step
+(sketched alike), and the peers of the route it disagrees with (by sketch, else by token) are excluded
+from this daemon's routes (`checks.Exclusions`); the generation then goes on over new routes around
+them, so the client sees a pause, never a token two routes disagreed on.
 """
 
 from __future__ import annotations
 
+import random
 import time
 
 import trio
 
-from meshd.entry.checks import differing_peers, settle, swapped, unchecked_layers
+from meshd.entry.checks import differing_peers, judge, settle, swapped, unchecked_layers
 from meshd.entry.errors import GenerationError, RoutesDisagree, first_of
 from meshd.entry.route import Route
 from meshd.entry.state import Generation
+from meshd.hop import sketch
 from meshd.node.log import get_logger
 from meshd.wire import ErrorCode, Phase
 
@@ -62,7 +66,9 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
         tokens = await both(lambda at: entry._first_token(at, gen), [at_a, at_b])
         while True:
             if tokens[0] != tokens[1]:
-                raise RoutesDisagree(len(gen.tokens), (a, b), (tokens[0], tokens[1]), first.hops + second.hops)
+                seed, sketches = await sketch_step(gen, (at_a, at_b)) if gen.tokens else (0, None)
+                raise RoutesDisagree(len(gen.tokens), (a, b), (tokens[0], tokens[1]), first.hops + second.hops,
+                                     sketches, seed)
             token = tokens[0]
             gen.check.compared += 1
             if gen.accept(token):
@@ -84,16 +90,25 @@ async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, 
     retries.epoch += 1
     log.warning("checked routes disagree: asking a third route", position=exc.position, tokens=list(exc.tokens),
                 peers=sorted(p[-8:] for p in differing_peers(a, b)))
+    where = sketch.first_divergence(*exc.sketches) if exc.sketches else None
+    if where is not None:
+        gen.check.diverged.append(list(where))
+        log.warning("the routes' sketches part", layers=f"{where[0]}:{where[1]}")
+    suspect = ({p for r in (a, b) for p, start, end in r if start < where[1] and end > where[0]} - {entry.mesh.peer_id}
+               if where is not None else differing_peers(a, b))
     try:
-        third = entry.plan(retries.failed, retries.busy, avoid=differing_peers(a, b))
+        third = entry.plan(retries.failed, retries.busy, avoid=suspect)
     except GenerationError:
         third = None
     c = [[entry.mesh.peer_id, 0, entry.end]] + third.describe() if third is not None else None
     if c is None or not (differing_peers(a, c) and differing_peers(b, c)):
         raise GenerationError(ErrorCode.HOP_FAILED, f"two routes gave different tokens at generated token"
                               f" {exc.position} and no third server of the layers where they differ can settle it")
-    token = await token_on(entry, third, req, gen, sampling, retries)
-    verdict = settle((a, b), exc.tokens, c, token)
+    extra = (sketch.request(exc.seed),) if exc.sketches else ()
+    token, third_sketches = await token_on(entry, third, req, gen, sampling, retries, extra)
+    verdict = judge((a, b), where, exc.sketches, c, third_sketches) if where is not None else None
+    if verdict is None:  # no sketch to go by: the tokens decide
+        verdict = settle((a, b), exc.tokens, c, token)
     if verdict.winner is None:
         raise GenerationError(ErrorCode.HOP_FAILED, f"three routes gave three different tokens at generated token"
                               f" {exc.position}: the mesh cannot say which is right")
@@ -110,14 +125,25 @@ async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, 
     retries.epoch += 1
 
 
-async def token_on(entry, route: Route, req, gen: Generation, sampling, retries) -> int:
-    """The token `route` gives after the generation's accepted tokens (a replay on a fresh session)."""
+async def token_on(entry, route: Route, req, gen: Generation, sampling, retries, extra=()) -> tuple[int, dict]:
+    """The token `route` gives after the generation's accepted tokens (a replay on a fresh session),
+    and its hops' sketches of that step when `extra` asks for them."""
     gen.begin_attempt([[entry.mesh.peer_id, 0, entry.end]] + route.describe())
     try:
         async with entry._open_route(route, retries.epoch, req, gen, sampling) as at:
-            return await entry._first_token(at, gen)
+            token = await entry._first_token(at, gen, extra)
+            return token, sketch.read(at.last_token.tensors) if extra and at.last_token is not None else {}
     except BaseExceptionGroup as group:
         raise first_of(group) from None
+
+
+async def sketch_step(gen: Generation, attempts) -> tuple[int, tuple[dict, dict]]:
+    """Both routes' hops' sketches of the step they disagreed on (run again, with a seed picked here)."""
+    seed = random.getrandbits(62) + 1
+    position, step = len(gen.ids) + len(gen.tokens) - 1, len(gen.tokens)
+    replies = await both(lambda at: at.advance(step, Phase.DECODE, position, [gen.tokens[-1]],
+                                               extra=(sketch.request(seed),)), attempts)
+    return seed, (sketch.read(replies[0].tensors), sketch.read(replies[1].tensors))
 
 
 async def narrow(entry, exc: RoutesDisagree, verdict, token: int, third: Route, req, gen: Generation, sampling,
@@ -137,7 +163,7 @@ async def narrow(entry, exc: RoutesDisagree, verdict, token: int, third: Route, 
             guilty.add(peer)
             continue
         route = Route(tuple(planned[tuple(h)] for h in trial[1:]), 0.0)
-        if await token_on(entry, route, req, gen, sampling, retries) != token:
+        if (await token_on(entry, route, req, gen, sampling, retries))[0] != token:
             guilty.add(peer)
     log.info("suspects tried one at a time", suspects=len(verdict.suspects), guilty=len(guilty))
     return frozenset(guilty or verdict.suspects)

@@ -6,14 +6,17 @@ Rules: a checked generation runs on two routes in lockstep and a token counts on
 it; replicas of one recipe on one kind of CPU compute bit for bit alike (the sampler draws from
 (seed, position)), so any difference is a fault, not rounding. Layers both routes run on the same
 daemon are unchecked, and the generation says so. When two routes disagree, a third route whose
-hops differ where the two differed settles it: the hops of the route that lost that are on neither
-other route are the suspects. No I/O and no clock of its own: callers pass `now`.
+hops differ where the two differed settles it, by its hops' sketch of the range where the two
+routes' sketches part (`judge`), else by its token (`settle`): the hops of the route that lost that
+are on neither other route are the suspects. No I/O and no clock of its own: callers pass `now`.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+from meshd.hop import sketch
 
 EXCLUDE_S = 300.0  # a peer's first exclusion; each repeat doubles it
 EXCLUDE_MAX_S = 7 * 86400.0  # the longest one exclusion lasts
@@ -87,6 +90,26 @@ def settle(routes: tuple[list[list], list[list]], tokens: tuple[int, int], third
     return Verdict(winner, frozenset(suspects))
 
 
+def judge(routes: tuple[list[list], list[list]], where: tuple[int, int], sketches: tuple[dict, dict],
+          third: list[list], third_sketches: dict, tol: float = sketch.TOLERANCE) -> Verdict | None:
+    """Decide between two routes whose sketches first part at layers [from, to) (`where`) by a third
+    route's sketch of layer `to`'s output: the route it matches wins, and the suspects are the losing
+    route's peers on those layers that neither other route ran there. None when the third route has
+    no sketch there or matches both or neither (the caller then goes by tokens)."""
+    start, end = where
+    at_end = [{e: s for (_, e), s in sk.items()}.get(end) for sk in (*sketches, third_sketches)]
+    if any(s is None for s in at_end):
+        return None
+    agree = [sketch.close(at_end[i], at_end[2], tol) for i in (0, 1)]
+    if agree.count(True) != 1:
+        return None
+    winner = agree.index(True)
+    loser, good, other = layer_peers(routes[1 - winner]), layer_peers(routes[winner]), layer_peers(third)
+    suspects = {peer for layer, peer in loser.items()
+                if start <= layer < end and good.get(layer) != peer and other.get(layer) != peer}
+    return Verdict(winner, frozenset(suspects)) if suspects else None
+
+
 def swapped(route: list[list], hop: list) -> list[list] | None:
     """`route` with `hop` ([peer, start, end]) in place of its hops that cover exactly those layers
     (to try one suspect among honest hops); None when no hops of `route` start and end there."""
@@ -152,6 +175,7 @@ class Check:
     compared: int = 0  # tokens both routes gave alike
     disagreements: int = 0
     excluded: list[str] = field(default_factory=list)  # peers this generation excluded
+    diverged: list = field(default_factory=list)  # per disagreement: the layers [from, to) the sketches located
 
     @property
     def ran(self) -> bool:
@@ -166,4 +190,4 @@ class Check:
         """`verified`: every token came from two routes that agree, each layer on two daemons."""
         return {"checked": self.ran, "verified": self.ran and not self.unchecked and self.compared > 0,
                 "unchecked_layers": self.unchecked, "compared": self.compared,
-                "disagreements": self.disagreements, "excluded": self.excluded}
+                "disagreements": self.disagreements, "excluded": self.excluded, "diverged_layers": self.diverged}

@@ -202,11 +202,12 @@ class Entry:
                         await channel.aclose()
 
     @staticmethod
-    async def _first_token(at: Attempt, gen: Generation) -> int:
-        """The prompt through the route, then (after a reroute) the tokens so far: the token after them."""
+    async def _first_token(at: Attempt, gen: Generation, extra=()) -> int:
+        """The prompt through the route, then (after a reroute) the tokens so far: the token after them
+        (`extra` tensors go with the last replayed frame: a sketch request)."""
         token = await at.prefill(gen.ids)
         if gen.tokens:  # a replay after rerouting feeds back what was generated
-            token = await at.replay(gen.tokens, len(gen.ids))
+            token = await at.replay(gen.tokens, len(gen.ids), extra)
         return token
 
     async def _decode(self, at: Attempt, req, gen: Generation, text, tokens: list[int], emit) -> None:
