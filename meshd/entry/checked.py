@@ -21,7 +21,7 @@ import time
 
 import trio
 
-from meshd.entry.checks import differing_peers, judge, settle, swapped, unchecked_layers
+from meshd.entry.checks import Verdict, differing_peers, judge, settle, swapped, unchecked_layers
 from meshd.entry.errors import GenerationError, RoutesDisagree, first_of
 from meshd.entry.route import Route
 from meshd.entry.state import Generation
@@ -30,6 +30,7 @@ from meshd.node.log import get_logger
 from meshd.wire import ErrorCode, Phase
 
 log = get_logger(__name__)
+MAX_DISAGREEMENTS = 3  # a generation whose routes disagree more often fails rather than loop
 
 
 async def both(fn, items) -> list:
@@ -86,6 +87,9 @@ async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, 
     disagreed on; exclude the peers of the route it disagrees with. Raises the GenerationError the
     client gets when no such route exists or it agrees with neither."""
     gen.check.disagreements += 1
+    if gen.check.disagreements > MAX_DISAGREEMENTS:
+        raise GenerationError(ErrorCode.HOP_FAILED, f"checked routes disagreed {gen.check.disagreements} times and"
+                              " excluding peers did not end it: no token is given that two routes do not agree on")
     a, b = exc.routes
     retries.epoch += 1
     log.warning("checked routes disagree: asking a third route", position=exc.position, tokens=list(exc.tokens),
@@ -109,6 +113,9 @@ async def settle_disagreement(entry, exc: RoutesDisagree, req, gen: Generation, 
     verdict = judge((a, b), where, exc.sketches, c, third_sketches) if where is not None else None
     if verdict is None:  # no sketch to go by: the tokens decide
         verdict = settle((a, b), exc.tokens, c, token)
+        if exc.sketches and where is None:  # every hop's sketch agreed within the tolerance: rounding, no liar
+            log.warning("checked routes disagree on a token but their sketches agree: nobody excluded")
+            verdict = Verdict(verdict.winner, frozenset())
     if verdict.winner is None:
         raise GenerationError(ErrorCode.HOP_FAILED, f"three routes gave three different tokens at generated token"
                               f" {exc.position}: the mesh cannot say which is right")
