@@ -260,7 +260,8 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
 def generate(path: Path, args) -> int:
     req = GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate, verify=args.verify)
+                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate,
+                          verify=args.verify)
     code, stats, _ = stream_answer(path, req, args.timeout)
     if code == 0:
         sys.stdout.write("\n")

@@ -125,7 +125,8 @@ def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed:
     dead peer; a generation's bounded attempts stop a hop that keeps failing). A full hop is never
     retried: `NoRoute` then, which the caller waits on."""
     try:
-        return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id}, avoid=avoid), False
+        return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id},
+                          avoid=avoid), False
     except NoRoute:
         if not failed:
             raise
