@@ -24,6 +24,7 @@ def test_a_chat_request_becomes_a_generate_request():
     assert json.loads(r.messages)[1] == {"role": "user", "content": "Hi"} and c.stream and c.stop == ["\n"]
     assert parse({"prompt": "x"}, chat=False).request.prompt == "x"
     assert r.speculate and not parse({"prompt": "x", "speculate": False}, chat=False).request.speculate
+    assert not r.verify and parse({"prompt": "x", "verify": True}, chat=False).request.verify
     parts = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert json.loads(parts.request.messages) == [{"role": "user", "content": "ab"}]
 
@@ -42,6 +43,7 @@ def test_a_chat_request_becomes_a_generate_request():
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, "number"),
     ({"messages": [{"role": "user", "content": "x"}], "speculate": "no"}, "speculate"),
+    ({"messages": [{"role": "user", "content": "x"}], "verify": 1}, "'verify' must be true or false"),
 ])
 def test_bad_requests_are_refused_with_the_reason(body, message):
     with pytest.raises(openai.BadRequest, match=message):

@@ -124,6 +124,7 @@ class _Live:
         refused.add_metric([], (st.get("mesh_key") or {}).get("refused", 0))
         yield refused
         yield from ledger_metrics(self.daemon.ledger.totals())
+        yield from check_metrics(st.get("checks") or {})
 
 
 def ledger_metrics(totals: dict):
@@ -140,3 +141,17 @@ def ledger_metrics(totals: dict):
         for outcome, n in sorted(totals[kind].items()):
             family.add_metric([outcome], n)
         yield family
+
+
+def check_metrics(checks: dict):
+    """Checked generations and the peers excluded now (one series a peer, its reason as a label)."""
+    for name, doc in (("checked", "Generations this entry ran on two routes, since start"),
+                      ("disagreed", "Checked generations whose two routes disagreed, since start")):
+        family = CounterMetricFamily(f"meshd_generations_{name}", doc)
+        family.add_metric([], checks.get(name, 0))
+        yield family
+    excluded = GaugeMetricFamily("meshd_peer_excluded_seconds", "Seconds left of a peer's exclusion from this"
+                                 " daemon's routes (it disagreed with two other routes)", labels=["peer", "reason"])
+    for row in checks.get("excluded", []):
+        excluded.add_metric([row["peer"], row["reason"]], row["left_s"])
+    yield excluded

@@ -75,6 +75,10 @@ def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: 
     if not isinstance(speculate, bool):
         raise BadRequest("'speculate' must be true or false")
     params["speculate"] = speculate
+    verify = body.get("verify", False)  # meshd's own field: true checks this generation on a second route
+    if not isinstance(verify, bool):
+        raise BadRequest("'verify' must be true or false")
+    params["verify"] = verify
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -2,7 +2,7 @@
 
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] PROMPT
+            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] [--verify] PROMPT
     meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
     meshctl [--socket PATH] drain [--exit]
     meshctl [--socket PATH] ledger [--json] [--since DATE] [--peer ID]
@@ -132,7 +132,8 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
 def generate(path: Path, args) -> int:
     req = GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate)
+                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate,
+                          verify=args.verify)
     code, stats, _ = stream_answer(path, req, args.timeout)
     if code == 0:
         sys.stdout.write("\n")
@@ -235,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-text")
     g.add_argument("--no-speculate", action="store_true", help="plain decoding: no draft tokens for this request"
                    " (the text is the same; speculation only changes how many tokens a trip returns)")
+    g.add_argument("--verify", action="store_true", help="check this generation on a second route of other daemons:"
+                   " a token only when both agree (--stats says verified: false where a range has no replica)")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
     dr = sub.add_parser("drain", help="stop taking sessions and wait until running generations finish")
     dr.add_argument("--exit", action="store_true", help="then stop the daemon (as SIGTERM does)")

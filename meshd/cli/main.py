@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " with each step, verified in one pass down the route, so a trip can return several tokens;"
                       " the text is the same (default auto: drafts where they keep being accepted)")
     join.add_argument("--draft-max", type=int, help="as an entry: draft tokens a step carries at most (default 8)")
+    join.add_argument("--verify-rate", type=float, help="as an entry: share of generations also run on a second"
+                      " route of other daemons, a token given only when both routes agree (default 0.05; 0: none)")
     join.add_argument("--relay", choices=["auto", "on", "off"], help="offer circuit relay to daemons that cannot"
                       " be dialled: auto (default: while this daemon is publicly reachable), on, off")
     join.add_argument("--relays", type=int, help="relays this daemon reserves at when it cannot be dialled (default 2;"

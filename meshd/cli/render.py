@@ -43,6 +43,17 @@ def draft_line(spec: dict | None) -> str:
             f" {sent} sent, {kept} accepted{rate}")
 
 
+def check_lines(checks: dict | None) -> list[str]:
+    """Checked generations (a second route a token must agree with) and the peers excluded after one."""
+    if not checks:
+        return []
+    lines = [f"checks    verify rate {checks.get('verify_rate', 0):g}: {checks.get('checked', 0)} checked,"
+             f" {checks.get('disagreed', 0)} disagreed, {len(checks.get('excluded', []))} peers excluded"]
+    lines += [f"excluded  {row['peer']} for {row['left_s']:.0f} s more (time {row['times']}): {row['reason']}"
+              for row in checks.get("excluded", [])]
+    return lines
+
+
 def mesh_key_line(key: dict | None) -> str:
     """Whether only holders of a swarm key may connect."""
     if not key or not key.get("private"):
@@ -106,7 +117,8 @@ def render_status(st: dict) -> str:
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
-             load_line(st), draft_line(st.get("speculation"))] + ([f"moved     {st['moved']}"] if st.get("moved") else [])
+             load_line(st), draft_line(st.get("speculation")), *check_lines(st.get("checks"))]
+    lines += [f"moved     {st['moved']}"] if st.get("moved") else []
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(mesh_key_line(st.get("mesh_key")))
     lines.append(reach_line(st.get("reachability")))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import trio
 
@@ -58,6 +59,7 @@ class Attempt:
         self.heard: dict[str, float] = {}  # when each hop last said anything (a frame or a ping's echo)
         self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token | Error](16)
         self.linked = False  # the entry's own outputs go to the first hop over the service's shared link
+        self.last_token: Token | None = None  # the tail's last answer (its sketches, when asked for)
 
     async def link_first_hop(self, addrs) -> None:
         """Send the entry's own outputs to the first hop the way hops send theirs: with those of the
@@ -170,21 +172,26 @@ class Attempt:
         reply = await self.advance(step, phase, position, ids, chunk)
         return None if reply is None else reply.token_id
 
-    async def advance(self, step, phase, position, ids, chunk=(0, 1)) -> Token | None:
+    async def advance(self, step, phase, position, ids, chunk=(0, 1), extra=()) -> Token | None:
         """Send one frame of token ids down the route; the tail's Token (None for a prefill chunk
-        before the last). A VERIFY frame's Token says how many of its drafts (ids[1:]) it accepts."""
-        local = await self.submit(step, phase, position, ids, chunk)
+        before the last). A VERIFY frame's Token says how many of its drafts (ids[1:]) it accepts.
+        `extra` tensors travel with the frame (a sketch request: meshd/hop/sketch.py)."""
+        local = await self.submit(step, phase, position, ids, chunk, extra)
         if local is not None:
             return local
         if phase == Phase.PREFILL and chunk[0] != chunk[1] - 1:
             return None
         return await self.next_reply(STEP_TIMEOUT)
 
-    async def submit(self, step, phase, position, ids, chunk=(0, 1)) -> Token | None:
+    async def submit(self, step, phase, position, ids, chunk=(0, 1), extra=()) -> Token | None:
         """Run a frame through this daemon's layers and send it on without waiting for the answer;
         the Token when the entry holds the whole model (else it comes from the tail later)."""
-        out = await self.local(token_frame(self.sid, self.epoch, step, phase, position, ids, *chunk))
+        frame = token_frame(self.sid, self.epoch, step, phase, position, ids, *chunk)
+        if extra:
+            frame = replace(frame, tensors=frame.tensors + tuple(extra))
+        out = await self.local(frame)
         if isinstance(out, Token):
+            self.last_token = out
             return out
         if out is not None:
             await self.send(*self.hops[0], out)
@@ -200,7 +207,7 @@ class Attempt:
         assert token is not None
         return token
 
-    async def replay(self, tokens, position) -> int:
+    async def replay(self, tokens, position, extra=()) -> int:
         """Run the tokens generated before a reroute through the new route so that every hop computes
         bit for bit what the lost route computed, and return the token after the last one (seeded
         sampling draws from the position, so it is the token the lost route would have given). They
@@ -208,8 +215,9 @@ class Attempt:
         steps they first were (`Phase.DECODE`), so the pause does not grow with the text so far."""
         spans = chunk_spans(len(tokens))
         outs = []  # the token after each chunk; all chunks are sent at once (they pipeline down the route)
-        for a, b in spans:
-            local = await self.submit(a + 1, Phase.DECODE, position + a, list(tokens[a:b]))
+        for i, (a, b) in enumerate(spans):
+            local = await self.submit(a + 1, Phase.DECODE, position + a, list(tokens[a:b]),
+                                      extra=extra if i == len(spans) - 1 else ())
             if local is not None:
                 outs.append(local.token_id)
         while len(outs) < len(spans):
@@ -232,6 +240,7 @@ class Attempt:
                     msg = await self.tokens_recv.receive()
                     if isinstance(msg, Error):  # the link to the first hop broke
                         raise hop_error(self.hops[0][0], msg, retriable=True)
+                    self.last_token = msg
                     return msg
                 silent = self.silent_hop() if self.hops else None
                 if silent is not None:

@@ -49,7 +49,7 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             exc = first_of(exc)
-        if isinstance(exc, (HopFailed, GenerationError)):
+        if isinstance(exc, (HopFailed, GenerationError, RoutesDisagree)):
             return exc
     return group
 
@@ -60,3 +60,15 @@ def ended_normally(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return any(ended_normally(e) for e in exc.exceptions)
     return getattr(exc, "ends_generation_normally", False)
+
+
+class RoutesDisagree(RuntimeError):
+    """The two routes of a checked generation gave different tokens after the same accepted ones:
+    neither token reaches the client until a third route settles which route is wrong."""
+
+    def __init__(self, position: int, routes: tuple[list, list], tokens: tuple[int, int], hops=(),
+                 sketches: tuple[dict, dict] | None = None, seed: int = 0):
+        self.position, self.routes, self.tokens = position, routes, tokens
+        self.hops = tuple(hops)  # the routes' planned `Hop`s (addresses), to build trial routes from
+        self.sketches, self.seed = sketches, seed  # each route's hops' sketches of the step (meshd/hop/sketch.py)
+        super().__init__(f"routes disagree at generated token {position}: {tokens[0]} against {tokens[1]}")

@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import asynccontextmanager
 from typing import Awaitable, Callable
 
 import trio
 
 from meshd.entry.attempt import OPEN_TIMEOUT, Attempt
+from meshd.entry.checked import run_checked, settle_disagreement
+from meshd.entry.checks import Check, Exclusions, chosen
 from meshd.entry.drafts import DRAFT_MAX, Drafts
-from meshd.entry.errors import GenerationError, HopFailed, first_of, hop_error, outcome_of
+from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, first_of, hop_error, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.policy import BUSY_WAIT_S, Retries
 from meshd.entry.route import NoRoute, Route, link_latency, plan_around
@@ -47,7 +50,8 @@ class Entry:
 
     def __init__(self, service, tokenizer, config, model_fp: str, recipe_fp: str, mesh, open_stream, *,
                  end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True, microbatches: int = 2,
-                 speculate: bool = True, draft_max: int = DRAFT_MAX, ledger=None) -> None:
+                 speculate: bool = True, draft_max: int = DRAFT_MAX, ledger=None, verify_rate: float = 0.0,
+                 exclusions: Exclusions | None = None) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.model_fp, self.recipe_fp = model_fp, recipe_fp
         self.mesh, self.open_stream, self.end = mesh, open_stream, end
@@ -59,6 +63,10 @@ class Entry:
         self.drafted = self.accepted = 0  # draft tokens sent and accepted, all generations (status, metrics)
         self.microbatch_use = Microbatches()
         self.ledger = ledger  # the daemon's work ledger (meshd/node/ledger.py), when it keeps one
+        self.verify_rate = verify_rate  # share of generations checked on a second route (meshd/entry/checked.py)
+        self.exclusions = Exclusions() if exclusions is None else exclusions  # peers kept off routes (the
+        # daemon's, shared by its entries across moves; its times are time.monotonic())
+        self.checked = self.disagreed = 0  # generations checked on two routes, and of those, disagreements
 
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
@@ -70,9 +78,15 @@ class Entry:
             raise GenerationError(ErrorCode.BAD_FRAME, f"bad request (prompt, conversation or sampling): {exc}") from None
         stop = stop_ids(self.config, self.tokenizer, req.ignore_eos)
         gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop)
-        if self.speculate and req.speculate and self.draft_max > 0:
-            gen.drafts = Drafts(self.draft_max)
+        if chosen(self.verify_rate, req.verify):
+            gen.check = Check()  # runs without drafts: see meshd/entry/checked.py
+        else:
+            gen.drafts = self.drafts_for(req)
         return gen, sampling
+
+    def drafts_for(self, req: GenerateRequest) -> Drafts | None:
+        """Where a generation's drafts come from (None: plain decoding)."""
+        return Drafts(self.draft_max) if self.speculate and req.speculate and self.draft_max > 0 else None
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         gen, sampling = self.start(req)
@@ -86,18 +100,28 @@ class Entry:
         finally:
             if self.ledger is not None:
                 self.ledger.end_generation(row, self.mesh.peer_id, outcome_of(failure), len(gen.ids), len(gen.tokens),
-                                           gen.work(), gen.reroutes)
+                                           gen.work(), gen.reroutes, checked=gen.check is not None and gen.check.ran,
+                                           agreed=gen.check.agreed if gen.check is not None else None)
 
     async def _generate(self, req: GenerateRequest, gen: Generation, sampling, emit: Emit) -> dict:
         text = TextStream(self.tokenizer)
         retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s)
+        disagreed: RoutesDisagree | None = None  # two routes' tokens differed: a third route must settle it
         while True:
             try:
                 try:
-                    await self._attempt(req, gen, sampling, retries, text, emit)
+                    if disagreed is not None:
+                        exc, disagreed = disagreed, None
+                        await settle_disagreement(self, exc, req, gen, sampling, retries)
+                    if gen.check is not None:
+                        await run_checked(self, req, gen, sampling, retries, text, emit)
+                    else:
+                        await self._attempt(req, gen, sampling, retries, text, emit)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
+            except RoutesDisagree as exc:  # nothing was emitted: settle it, then go on around the liar
+                disagreed = exc
             except HopFailed as exc:
                 if exc.busy_s is not None:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
@@ -108,6 +132,9 @@ class Entry:
             except GenerationError as exc:
                 await trio.sleep(retries.after_refusal(exc, trio.current_time()))  # raises past the deadline
         stats = gen.stats()
+        if gen.check is not None and gen.check.ran:
+            self.checked += 1
+            self.disagreed += gen.check.disagreements > 0
         self.drafted += gen.drafted
         self.accepted += gen.accepted_drafts
         log.info("generation done", tokens=stats["tokens"], prompt_tokens=len(gen.ids), reroutes=gen.reroutes,
@@ -115,22 +142,33 @@ class Entry:
         return {**stats, "route": gen.route, "reroutes": gen.reroutes,
                 "entry_compute_s": round(gen.local_s, 3), "route_wait_s": round(gen.wait_s, 3)}
 
-    def plan(self, failed: set[str], busy: set[str]) -> Route:
-        """A route from this entry's layers on, around the hops that failed and those that are full."""
+    def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset()) -> Route:
+        """A route from this entry's layers on, around the hops that failed, those that are full and
+        those excluded after a check; through peers in `avoid` only where no other serves the layers."""
         coverage = self.mesh.coverage.serving()
         links = link_latency(coverage.records, dict(self.mesh.latency))
+        excluded = self.exclusions.active(time.monotonic())
         try:
-            route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, busy)
+            route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
+                                         avoid)
         except NoRoute as exc:
             raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
         if retried:
             log.info("retrying a failed hop: no other covers its layers", hops=len(route.hops))
         return route
 
-    async def _attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit) -> None:
-        epoch = retries.epoch
-        route = self.plan(retries.failed, retries.busy)
+    async def _attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit,
+                       route: Route | None = None) -> None:
+        route = self.plan(retries.failed, retries.busy) if route is None else route
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
+        async with self._open_route(route, retries.epoch, req, gen, sampling) as at:
+            token = await self._first_token(at, gen)
+            await self._decode(at, req, gen, text, [token], emit)
+
+    @asynccontextmanager
+    async def _open_route(self, route: Route, epoch: int, req, gen: Generation, sampling):
+        """An `Attempt` with a session open on this daemon and on every hop of `route`, its hops'
+        outputs moving (pumps, pings) while the caller drives it; every session released after."""
         sid = os.urandom(16)
         at = Attempt(self.service, gen, sid, epoch)
         daemons = len(route.hops) + 1
@@ -149,10 +187,7 @@ class Entry:
                     nursery.start_soon(at.pump, peer, channel, nxt)
                 if at.hops:
                     nursery.start_soon(at.keepalive)
-                token = await at.prefill(gen.ids)
-                if gen.tokens:  # a replay after rerouting feeds back what was generated
-                    token = await at.replay(gen.tokens, len(gen.ids))
-                await self._decode(at, req, gen, text, [token], emit)
+                yield at
                 nursery.cancel_scope.cancel()
         finally:
             self.microbatch_use.give(microbatch)
@@ -165,6 +200,15 @@ class Entry:
                         except ChannelClosed:
                             pass
                         await channel.aclose()
+
+    @staticmethod
+    async def _first_token(at: Attempt, gen: Generation, extra=()) -> int:
+        """The prompt through the route, then (after a reroute) the tokens so far: the token after them
+        (`extra` tensors go with the last replayed frame: a sketch request)."""
+        token = await at.prefill(gen.ids)
+        if gen.tokens:  # a replay after rerouting feeds back what was generated
+            token = await at.replay(gen.tokens, len(gen.ids), extra)
+        return token
 
     async def _decode(self, at: Attempt, req, gen: Generation, text, tokens: list[int], emit) -> None:
         """Take the tokens the route gives until the generation is done: each step sends the last

@@ -16,6 +16,8 @@ from meshd.relay.policy import relay_of
 
 DEFAULT_THROUGHPUT = 500.0  # layer-steps per second assumed for a peer that advertises none
 DEFAULT_LATENCY = 0.005  # seconds per hop assumed for a link never measured
+AVOID_COST_S = 1e6  # what each layer run on a peer to avoid adds to a route's cost: taken only where no other
+# peer serves the layers, and for as few layers as the ranges allow
 
 
 class NoRoute(RuntimeError):
@@ -60,8 +62,10 @@ def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], floa
 
 
 def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] | Callable[[str], float] | None = None,
-               exclude: frozenset[str] | set[str] = frozenset()) -> Route:
-    """Cheapest chain of hops covering [start, n_layers); raises `NoRoute` naming the gaps."""
+               exclude: frozenset[str] | set[str] = frozenset(), avoid: frozenset[str] | set[str] = frozenset()
+               ) -> Route:
+    """Cheapest chain of hops covering [start, n_layers); raises `NoRoute` naming the gaps. Peers in
+    `avoid` are used only for layers no other peer serves (a checked generation's second route)."""
     n = coverage.n_layers
     if start >= n:
         return Route((), 0.0)
@@ -81,7 +85,7 @@ def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] |
             if not r.start <= a < r.end:
                 continue
             rate = r.throughput if r.throughput > 0 else DEFAULT_THROUGHPUT
-            step = (r.end - a) / rate + link(r.peer_id)
+            step = (r.end - a) / rate + link(r.peer_id) + (AVOID_COST_S * (r.end - a) if r.peer_id in avoid else 0.0)
             cand = (cost + step, count + 1, path + (Hop(r.peer_id, r.dial_addrs, a, r.end),))
             old = best.get(r.end)
             if old is None or _better(cand, old):
@@ -115,18 +119,19 @@ def _gaps(served: list[int], start: int) -> list[tuple[int, int]]:
 
 
 def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed: set[str] = frozenset(),
-                busy: set[str] = frozenset()) -> tuple[Route, bool]:
+                busy: set[str] = frozenset(), avoid: set[str] = frozenset()) -> tuple[Route, bool]:
     """A route from layer `start` around the hops that failed and those that are full; and whether it
     had to try a failed hop again because no other covers its layers (a broken stream is not always a
     dead peer; a generation's bounded attempts stop a hop that keeps failing). A full hop is never
     retried: `NoRoute` then, which the caller waits on."""
     try:
-        return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id}), False
+        return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id},
+                          avoid=avoid), False
     except NoRoute:
         if not failed:
             raise
         try:
-            return plan_route(coverage, start, latency=latency, exclude=set(busy) | {own_id}), True
+            return plan_route(coverage, start, latency=latency, exclude=set(busy) | {own_id}, avoid=avoid), True
         except NoRoute:
             pass
         raise

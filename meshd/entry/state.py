@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from meshd.entry.checks import Check
 from meshd.entry.drafts import Drafts
 from meshd.entry.errors import GenerationError
 from meshd.shard.sampler import SamplingParams
@@ -41,6 +42,7 @@ class Generation:
     drafts: Drafts | None = None  # speculation: where the drafts come from (None: plain decoding)
     drafted: int = 0  # draft tokens sent down the route
     accepted_drafts: int = 0  # of those, accepted by the tail
+    check: Check | None = None  # a checked generation's account (None: not chosen for checking)
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset()
@@ -100,7 +102,8 @@ class Generation:
         first = self.first_token_at or end
         return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
-                "drafted": self.drafted, "accepted": self.accepted_drafts}
+                "drafted": self.drafted, "accepted": self.accepted_drafts,
+                **(self.check.stats() if self.check is not None else {"checked": False, "verified": False})}
 
 
 def open_session(request_id: int, session_id: bytes, epoch: int, start: int, end: int, model_fp: str,

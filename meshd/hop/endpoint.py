@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from meshd.hop import sketch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
 from meshd.hop.sessions import HopSession, SessionTable
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
@@ -197,6 +198,7 @@ class ShardEndpoint:
             tensors = (Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire)),)
             if drafts is not None:
                 tensors += (Tensor.from_torch(DRAFTS, drafts),)
+            tensors += sketch.carried(msg.tensors, out, state.layers)  # when the entry asked (checked routes)
             return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,
                             position=msg.position, chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
                             tensors=tensors)]
@@ -210,7 +212,7 @@ class ShardEndpoint:
             # the rejected drafts' positions leave this hop's KV at once (the others' with the next frame)
             self.shard.trim((msg.session_id, msg.epoch), msg.position + accepted + 1)
         return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob,
-                      accepted=accepted)]
+                      accepted=accepted, tensors=sketch.carried(msg.tensors, out, state.layers))]
 
 
 def token_frame(session_id: bytes, epoch: int, step: int, phase: Phase, position: int, ids: list[int],

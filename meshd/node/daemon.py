@@ -32,6 +32,7 @@ from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.compute import ComputeExecutor
+from meshd.entry.checks import Exclusions
 from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State, StopRequest
 from meshd.node.log import get_logger
@@ -74,6 +75,7 @@ class Daemon:
         self.ledger = Ledger(None)  # the work ledger (opened in run; this one keeps nothing)
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
         self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
+        self.exclusions = Exclusions()  # peers kept off this daemon's routes after a check (meshd/entry/checks.py)
 
     @property
     def entry(self) -> Entry | None:
@@ -85,7 +87,7 @@ class Daemon:
         self.stopping.arm()
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
-        s.speculate_on  # noqa: B018 -- a bad --speculate or --draft-max is refused before joining
+        s.speculate_on, s.verify_share  # noqa: B018 -- a bad --speculate, --draft-max or --verify-rate is refused
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
         async with open_host(key_pair, s.listen, self.pnet) as host:
@@ -229,7 +231,8 @@ class Daemon:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
-                               speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger)
+                               speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger,
+                               verify_rate=s.verify_share, exclusions=self.exclusions)
         old, self.slot = self.slot, slot
         return old
 

@@ -63,6 +63,7 @@ class Settings:
     # on the route (0: exactly one per daemon on the route)
     speculate: str = "auto"  # as an entry: drafts with each step (auto) or plain decoding (off)
     draft_max: int = 8  # as an entry: drafts a step carries at most
+    verify_rate: float = 0.05  # as an entry: share of generations also run on a second route and compared (0: none)
     relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
     relays: int = 2  # relays a daemon that cannot be dialled reserves at (0: none)
     relay_reservations: int = 32  # as a relay: daemons holding a reservation at once
@@ -135,6 +136,12 @@ class Settings:
         if self.draft_max < 0:
             raise ValueError(f"--draft-max must be 0 or more, not {self.draft_max}")
         return self.speculate == "auto" and self.draft_max > 0
+
+    @property
+    def verify_share(self) -> float:
+        from meshd.entry.checks import check_rate
+
+        return check_rate(self.verify_rate)
 
     def mesh_key(self, environ=os.environ):
         """The private mesh's key (None: an open mesh). Raises SwarmKeyError (a ValueError) for a key

@@ -50,6 +50,7 @@ def daemon_status(d) -> dict:
         "max_sessions": d.settings.max_sessions,
         "microbatches": slot.entry.microbatch_use.counts() if slot and slot.entry else [],
         "speculation": {"mode": d.settings.speculate, "draft_max": d.settings.draft_max, **d.metrics.drafts()},
+        "checks": check_status(d),
         "compute_busy_s": round(d.compute.busy_s, 3),
         "recent_generations": d.metrics.recent.entries(),  # timings and routes, never text
         "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
@@ -62,3 +63,12 @@ def daemon_status(d) -> dict:
         "gaps": [list(g) for g in serving.gaps()] if serving else [],
         "complete": serving.complete if serving else False,
     }
+
+
+def check_status(d) -> dict:
+    """Checked generations: the rate, how many ran and disagreed here, the peers excluded now and why."""
+    entry = d.slot.entry if d.slot else None
+    exclusions = getattr(d, "exclusions", None)
+    return {"verify_rate": d.settings.verify_rate, "checked": entry.checked if entry else 0,
+            "disagreed": entry.disagreed if entry else 0,
+            "excluded": exclusions.listing(time.monotonic()) if exclusions is not None else []}

@@ -16,9 +16,10 @@ from typing import Any, ClassVar, Optional
 from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 5  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
+PROTOCOL_VERSION = 6  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
 # 4: OpenSession.microbatch; 5: Phase.VERIFY, Token.accepted, GenerateRequest.speculate, decode frames of
-# several positions
+# several positions; 6: GenerateRequest.verify (check this generation on a second route), Token.tensors
+# (the hops' sketches of a step, meshd/hop/sketch.py)
 
 
 class MsgType(enum.IntEnum):
@@ -246,6 +247,7 @@ class Token(Message):
     pass_id: int = 0
     pass_size: int = 0
     accepted: int = 0  # answering a VERIFY frame: how many of its drafts precede `token_id`
+    tensors: tuple[Tensor, ...] = field(default=())  # the route's sketches, when the frame asked for them
 
 
 @message(MsgType.CLOSE)
@@ -294,6 +296,7 @@ class GenerateRequest(Message):
     ignore_eos: bool = False
     messages: str = ""  # a whole conversation as JSON ([{"role", "content"}, ...]); replaces `prompt`
     speculate: bool = True  # False: no drafts for this request, whatever the entry's --speculate
+    verify: bool = False  # True: check this generation on a second route, whatever the entry's --verify-rate
 
 
 @message(MsgType.STATUS)

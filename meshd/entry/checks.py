@@ -1,0 +1,193 @@
+"""Checked generations as pure decisions: which generations are checked, which layers two routes
+compute on different daemons, who is to blame when routes disagree, and how long a peer that
+disagreed with two others stays off this daemon's routes.
+
+Rules: a checked generation runs on two routes in lockstep and a token counts only when both give
+it; replicas of one recipe on one kind of CPU compute bit for bit alike (the sampler draws from
+(seed, position)), so any difference is a fault, not rounding. Layers both routes run on the same
+daemon are unchecked, and the generation says so. When two routes disagree, a third route whose
+hops differ where the two differed settles it, by its hops' sketch of the range where the two
+routes' sketches part (`judge`), else by its token (`settle`): the hops of the route that lost that
+are on neither other route are the suspects. No I/O and no clock of its own: callers pass `now`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from meshd.hop import sketch
+
+EXCLUDE_S = 300.0  # a peer's first exclusion; each repeat doubles it
+EXCLUDE_MAX_S = 7 * 86400.0  # the longest one exclusion lasts
+FORGET_S = 86400.0  # a peer with no new exclusion for this long after its last one ends starts over
+
+
+def chosen(rate: float, requested: bool, draw: float | None = None) -> bool:
+    """Whether a generation is checked: asked for by the request, or drawn at `rate` (0: never)."""
+    if requested:
+        return True
+    if rate <= 0:
+        return False
+    return (random.random() if draw is None else draw) < rate
+
+
+def check_rate(rate) -> float:
+    """A --verify-rate, or the ValueError that refuses it."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= float(rate) <= 1.0:
+        raise ValueError(f"--verify-rate must be a number from 0 to 1 (0: never check), not {rate!r}")
+    return float(rate)
+
+
+def layer_peers(hops: list[list]) -> dict[int, str]:
+    """layer -> the peer that computes it, for a route given as [[peer, start, end], ...]."""
+    return {layer: peer for peer, start, end in hops for layer in range(start, end)}
+
+
+def spans(layers: list[int]) -> list[list[int]]:
+    """Sorted layers as runs [start, end)."""
+    out: list[list[int]] = []
+    for layer in sorted(layers):
+        if out and out[-1][1] == layer:
+            out[-1][1] += 1
+        else:
+            out.append([layer, layer + 1])
+    return out
+
+
+def unchecked_layers(first: list[list], second: list[list], start: int = 0) -> list[list[int]]:
+    """Layers at or after `start` that both routes compute on the same daemon, as runs [start, end)."""
+    a, b = layer_peers(first), layer_peers(second)
+    return spans([layer for layer, peer in a.items() if layer >= start and b.get(layer) == peer])
+
+
+def differing_peers(first: list[list], second: list[list]) -> set[str]:
+    """Peers that compute some layer on one route that the other route computes elsewhere."""
+    a, b = layer_peers(first), layer_peers(second)
+    return {peer for x, y in ((a, b), (b, a)) for layer, peer in x.items() if y.get(layer) != peer}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a third route said about two that disagreed: the index (0 or 1) of the route it agreed
+    with, or None when it agreed with neither; and the peers of the losing route to exclude."""
+
+    winner: int | None
+    suspects: frozenset[str]
+
+
+def settle(routes: tuple[list[list], list[list]], tokens: tuple[int, int], third: list[list],
+           third_token: int) -> Verdict:
+    """Decide between two routes that gave different tokens at one position, by a third route's
+    token there. The suspects are the losing route's peers on layers where the other two routes
+    agree on a daemon other than it (so an honest hop the routes share is never blamed)."""
+    if third_token not in tokens:
+        return Verdict(None, frozenset())
+    winner = tokens.index(third_token)
+    loser = layer_peers(routes[1 - winner])
+    good, other = layer_peers(routes[winner]), layer_peers(third)
+    suspects = {peer for layer, peer in loser.items() if good.get(layer) != peer and other.get(layer) != peer}
+    return Verdict(winner, frozenset(suspects))
+
+
+def judge(routes: tuple[list[list], list[list]], where: tuple[int, int], sketches: tuple[dict, dict],
+          third: list[list], third_sketches: dict, tol: float = sketch.TOLERANCE) -> Verdict | None:
+    """Decide between two routes whose sketches first part at layers [from, to) (`where`) by a third
+    route's sketch of layer `to`'s output: the route it matches wins, and the suspects are the losing
+    route's peers on those layers that neither other route ran there. None when the third route has
+    no sketch there or matches both or neither (the caller then goes by tokens)."""
+    start, end = where
+    at_end = [{e: s for (_, e), s in sk.items()}.get(end) for sk in (*sketches, third_sketches)]
+    if any(s is None for s in at_end):
+        return None
+    agree = [sketch.close(at_end[i], at_end[2], tol) for i in (0, 1)]
+    if agree.count(True) != 1:
+        return None
+    winner = agree.index(True)
+    loser, good, other = layer_peers(routes[1 - winner]), layer_peers(routes[winner]), layer_peers(third)
+    suspects = {peer for layer, peer in loser.items()
+                if start <= layer < end and good.get(layer) != peer and other.get(layer) != peer}
+    return Verdict(winner, frozenset(suspects)) if suspects else None
+
+
+def swapped(route: list[list], hop: list) -> list[list] | None:
+    """`route` with `hop` ([peer, start, end]) in place of its hops that cover exactly those layers
+    (to try one suspect among honest hops); None when no hops of `route` start and end there."""
+    _, start, end = hop
+    i = next((k for k, h in enumerate(route) if h[1] == start), None)
+    j = next((k for k, h in enumerate(route) if h[2] == end), None)
+    if i is None or j is None or j < i:
+        return None
+    return route[:i] + [list(hop)] + route[j + 1:]
+
+
+@dataclass
+class Excluded:
+    peer: str
+    reason: str
+    until: float
+    times: int  # exclusions so far, this one included
+
+
+@dataclass
+class Exclusions:
+    """Peers kept off this daemon's routes after they disagreed with two others: for EXCLUDE_S the
+    first time, doubling with each repeat (up to EXCLUDE_MAX_S); a peer clean for FORGET_S after its
+    last exclusion ended starts over."""
+
+    base_s: float = EXCLUDE_S
+    max_s: float = EXCLUDE_MAX_S
+    forget_s: float = FORGET_S
+    entries: dict[str, Excluded] = field(default_factory=dict)
+    total: int = 0  # exclusions made, all peers (metrics)
+
+    def exclude(self, peer: str, reason: str, now: float) -> Excluded:
+        old = self.entries.get(peer)
+        times = 1 if old is None or now >= old.until + self.forget_s else old.times + 1
+        span = min(self.max_s, self.base_s * 2 ** (times - 1))
+        entry = Excluded(peer, reason, max(now + span, old.until if old and times > 1 else 0.0), times)
+        self.entries[peer] = entry
+        self.total += 1
+        return entry
+
+    def active(self, now: float) -> set[str]:
+        """The peers routes must avoid now."""
+        return {p for p, e in self.entries.items() if now < e.until}
+
+    def listing(self, now: float) -> list[dict]:
+        """The peers excluded now, for status and metrics: why, how many times, seconds left."""
+        return [{"peer": e.peer, "reason": e.reason, "times": e.times, "left_s": round(e.until - now, 1)}
+                for e in sorted(self.entries.values(), key=lambda e: e.peer) if now < e.until]
+
+    def prune(self, now: float) -> None:
+        """Forget peers whose last exclusion ended more than `forget_s` ago."""
+        for peer in [p for p, e in self.entries.items() if now >= e.until + self.forget_s]:
+            del self.entries[peer]
+
+
+@dataclass
+class Check:
+    """A checked generation's account: its second route (empty: none ran, nothing differed from
+    the first), the layers both routes ran on one daemon, the tokens compared and the disagreements."""
+
+    second: list = field(default_factory=list)
+    unchecked: list = field(default_factory=list)
+    compared: int = 0  # tokens both routes gave alike
+    disagreements: int = 0
+    excluded: list[str] = field(default_factory=list)  # peers this generation excluded
+    diverged: list = field(default_factory=list)  # per disagreement: the layers [from, to) the sketches located
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.second)
+
+    @property
+    def agreed(self) -> bool | None:
+        """For the ledger: the routes never disagreed (None: no second route ran)."""
+        return self.disagreements == 0 if self.ran else None
+
+    def stats(self) -> dict:
+        """`verified`: every token came from two routes that agree, each layer on two daemons."""
+        return {"checked": self.ran, "verified": self.ran and not self.unchecked and self.compared > 0,
+                "unchecked_layers": self.unchecked, "compared": self.compared,
+                "disagreements": self.disagreements, "excluded": self.excluded, "diverged_layers": self.diverged}

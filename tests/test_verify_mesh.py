@@ -1,0 +1,137 @@
+"""Checked generations on real daemons (SmolLM2, native lane, loopback): a lying replica of 10:20
+(meshd/testing/liar.py: wrong hidden states from the 8th position on, and a claim of speed that puts
+it on the first route; the hops' sketches locate the range)
+never gets a wrong token to the client, is excluded within one checked generation, and later
+routes avoid it; with only two servers of the lied-about range the generation fails rather than
+guess; honest replicas over 200 checked steps exclude nobody; a range without a replica leaves the
+generation unverified, and says so."""
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from meshd.testing.liar import liar_wrap
+from meshd.testing.localmesh import Mesh
+
+pytestmark = pytest.mark.slow
+PROMPT = "The capital of France is"
+N = 16
+
+
+def generate(d, *flags, tokens: int = N, prompt: str = PROMPT) -> tuple[int, str, dict, str]:
+    out = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(d.socket), "generate", "--max-tokens",
+                          str(tokens), "--ignore-eos", "--stats", *flags, prompt], capture_output=True, text=True,
+                         timeout=600)
+    lines = out.stderr.strip().splitlines()
+    stats = json.loads(lines[-1]) if out.returncode == 0 and lines else {}
+    err = out.stderr if out.returncode == 0 else f"{out.stderr}\nthe entry's log:\n{d.tail(40)}"
+    return out.returncode, out.stdout, stats, err
+
+
+def peers_seen(d, n: int) -> None:
+    d.wait_for(lambda s: s["state"] == "serving" and s["complete"] and sum(p["serving"] for p in s["peers"]) == n,
+               what=f"{n} peers serving")
+
+
+def local_text(tokens: int) -> str:
+    """The reference: `meshd local` in one process over the same split, past end-of-text as the mesh runs are."""
+    out = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--split", "10,20", "--ignore-eos",
+                          "--max-tokens", str(tokens), PROMPT], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {N: local_text(N), 200: local_text(200)}
+
+
+def test_a_liar_is_caught_excluded_and_routed_around(reference):
+    m = Mesh(env={"MESHD_RECORD_TTL": "30"})
+    try:
+        common = ["--threads", "1"]
+        e = m.start("e", ["--layers", "0:10", "--verify-rate", "0", "--http", "127.0.0.1:0", *common])
+        boot = ["--bootstrap", e.wait_serving()["addrs"][0], *common]
+        h1 = m.start("h1", ["--layers", "10:20", *boot])
+        t = m.start("t", ["--layers", "20:30", *boot])
+        liar = m.start("liar", ["--layers", "10:20", *boot], wrap=liar_wrap(scale=4.0, from_position=8))
+        peers_seen(e, 3)
+        liar_id = liar.wait_serving()["peer_id"]
+
+        # two servers of 10:20 and they disagree: nobody can tell which is right, so no text at all
+        code, text, _, err = generate(e, "--verify")
+        assert code != 0 and "no third server" in err, err
+        assert reference[N].startswith(text.rstrip("\n")) and len(text.strip()) < len(reference[N].strip())
+
+        # a third server of 10:20 settles it: the client gets the one-process text, the liar is out
+        h2 = m.start("h2", ["--layers", "10:20", *boot])
+        h2.wait_serving()
+        peers_seen(e, 4)
+        code, text, stats, err = generate(e, "--verify")
+        assert code == 0, err
+        assert text == reference[N]
+        assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id]
+        assert stats["diverged_layers"] == [[10, 20]]  # located by the hops' sketches
+        assert stats["checked"] and not stats["verified"] and stats["unchecked_layers"] == [[20, 30]]
+        st = e.status()
+        excluded = st["checks"]["excluded"]
+        assert [row["peer"] for row in excluded] == [liar_id] and "layers 10:20" in excluded[0]["reason"]
+        assert st["checks"]["disagreed"] >= 1
+        with urllib.request.urlopen(st["http"][0] + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert f'meshd_peer_excluded_seconds{{peer="{liar_id}"' in metrics
+        listing = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(e.socket), "status"],
+                                 capture_output=True, text=True, timeout=60).stdout
+        assert f"excluded  {liar_id}" in listing
+
+        # later generations, checked or not, never route through the liar
+        for flags in ((), ("--verify",)):
+            code, text, stats, err = generate(e, *flags)
+            assert code == 0, err
+            assert text == reference[N]
+            assert liar_id not in {hop[0] for hop in stats["route"]}
+        assert stats["disagreements"] == 0 and stats["compared"] == N
+        assert {h1.status()["peer_id"], h2.status()["peer_id"]} >= {hop[0] for hop in stats["route"][1:2]}
+        assert t.wait_serving()
+
+        # honest replicas only: 200 checked steps, no disagreement, nobody new excluded
+        liar.terminate()
+        code, text, stats, err = generate(e, "--verify", tokens=200)
+        assert code == 0, err
+        assert text == reference[200]
+        assert stats["compared"] == 200 and stats["disagreements"] == 0 and stats["excluded"] == []
+        assert [row["peer"] for row in e.status()["checks"]["excluded"]] == [liar_id]
+        ledger = json.loads(subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(e.socket), "ledger",
+                                            "--json"], capture_output=True, text=True, timeout=60).stdout)
+        assert ledger["checked"] >= 3
+    finally:
+        m.close()
+
+
+def test_a_tail_that_lies_mid_generation_is_caught_the_same_way(reference):
+    """Right hidden states, wrong tokens, from the 10th position on: the client gets the first tokens,
+    a pause, then the rest of the one-process text; the lying tail is excluded."""
+    m = Mesh(env={"MESHD_RECORD_TTL": "30"})
+    try:
+        common = ["--threads", "1"]
+        e = m.start("e", ["--layers", "0:10", "--verify-rate", "0", *common])
+        boot = ["--bootstrap", e.wait_serving()["addrs"][0], *common]
+        m.start("m", ["--layers", "10:20", *boot])
+        m.start("t1", ["--layers", "20:30", *boot])
+        m.start("t2", ["--layers", "20:30", *boot])
+        liar = m.start("tl", ["--layers", "20:30", *boot], wrap=liar_wrap(from_position=10))
+        peers_seen(e, 4)
+        liar_id = liar.wait_serving()["peer_id"]
+        code, text, stats, err = generate(e, "--verify")
+        assert code == 0, err
+        assert text == reference[N]
+        assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id]
+        assert stats["diverged_layers"] == [[20, 30]]
+        assert stats["unchecked_layers"] == [[10, 20]] and not stats["verified"]
+        code, text, stats, err = generate(e)
+        assert code == 0 and text == reference[N] and liar_id not in {hop[0] for hop in stats["route"]}
+    finally:
+        m.close()
