@@ -123,3 +123,12 @@ def test_verification_draws_depend_on_seed_and_position_only():
     other = [Sampler(SamplingParams(temperature=0.8, seed=4)).verify(logits, [1, 2, 3, 4], q)[1] for q in range(20)]
     same = [a.verify(logits, [1, 2, 3, 4], q)[1] for q in range(20)]
     assert other != same
+
+
+def test_drafts_go_only_down_routes_that_leave_the_daemon_and_only_for_a_lone_generation():
+    from meshd.entry.drafts import worth_drafting
+
+    assert worth_drafting(remote_hops=2, generations=1)
+    assert worth_drafting(remote_hops=1, generations=0)
+    assert not worth_drafting(remote_hops=0, generations=1)  # a route inside this daemon: drafts are pure compute
+    assert not worth_drafting(remote_hops=2, generations=2)  # shared passes: a draft's rows displace a token

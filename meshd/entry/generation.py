@@ -27,7 +27,7 @@ import trio
 from meshd.entry.attempt import OPEN_TIMEOUT, Attempt
 from meshd.entry.checked import run_checked, settle_disagreement
 from meshd.entry.checks import Check, Exclusions, chosen
-from meshd.entry.drafts import DRAFT_MAX, Drafts
+from meshd.entry.drafts import DRAFT_MAX, Drafts, worth_drafting
 from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, first_of, hop_error, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.policy import BUSY_WAIT_S, Retries
@@ -222,7 +222,7 @@ class Entry:
                     for t in taken:
                         await self._emit(req, gen, text, t, emit)
                     return
-            drafts = gen.propose()
+            drafts = gen.propose() if worth_drafting(len(at.hops), sum(self.microbatch_use.counts())) else []
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             # the next step is under way (submitted to this daemon's pass) before the client is
             # sent these tokens' text: writing to the client does not delay every pass here
