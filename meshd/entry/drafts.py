@@ -31,7 +31,9 @@ def worth_drafting(remote_hops: int, generations: int) -> bool:
     daemon holding 0:30, one session: 81.1 tok/s plain, 50.2 with drafts; p95 between tokens 21.8 ms
     against 80.7; `bench/batch_bench.py --speculate auto,off`, CPU: avx2). Where several generations
     share the passes, the passes are full already, and a draft's rows take the place of another
-    session's token."""
+    session's token. Asked for greedy generations only: their text is the same with drafts or
+    without, while a sampled generation's text depends on which steps drafted (and a seed must give
+    the same text whatever the load)."""
     return remote_hops > 0 and generations <= 1
 
 

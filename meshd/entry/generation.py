@@ -222,7 +222,11 @@ class Entry:
                     for t in taken:
                         await self._emit(req, gen, text, t, emit)
                     return
-            drafts = gen.propose() if worth_drafting(len(at.hops), sum(self.microbatch_use.counts())) else []
+            # greedy text is the same with drafts or without, so a greedy generation drafts only where
+            # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
+            # same text whatever the load, so it drafts as its draft length says
+            pays = req.temperature > 0 or worth_drafting(len(at.hops), sum(self.microbatch_use.counts()))
+            drafts = gen.propose() if pays else []
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             # the next step is under way (submitted to this daemon's pass) before the client is
             # sent these tokens' text: writing to the client does not delay every pass here

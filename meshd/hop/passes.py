@@ -64,3 +64,15 @@ def route_outputs(done: list, links_of, pass_id: int) -> tuple[set[NextHop], int
         for w in group:
             w.output = [replace(w.output[0], pass_id=pass_id, pass_size=len(group)), *w.output[1:]]
     return hops, forwarded
+
+
+def local_tokens(done: list, links_of) -> list:
+    """The sessions of a pass whose Token goes to an entry in this daemon (no links: the entry called
+    the service itself). Each asks for its next step at once, so the next pass waits for all of them
+    (`ShardService.expect`) instead of starting with whichever comes back first."""
+    keys = []
+    for w in done:
+        key = (w.payload.session_id, w.payload.epoch)
+        if w.output and isinstance(w.output[0], Token) and links_of(key) is None:
+            keys.append(key)
+    return keys

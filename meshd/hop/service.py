@@ -22,7 +22,7 @@ from meshd.hop.due import DueFrames
 from meshd.hop.endpoint import ShardEndpoint
 from meshd.hop.links import NextHop
 from meshd.hop.outputs import Outputs
-from meshd.hop.passes import PassStats, route_outputs
+from meshd.hop.passes import PassStats, local_tokens, route_outputs
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.log import get_logger
@@ -160,6 +160,10 @@ class ShardService:
             self.stats.account(time.perf_counter() - t0, done)
             hops, forwarded = route_outputs(done, self.endpoint.sessions.links, self.stats.steps)
             self.forwarded += forwarded
+            local = local_tokens(done, self.endpoint.sessions.links)
+            if len(local) > 1:  # the entry here holds the whole route: these sessions come back together
+                for key in local:
+                    self.expect(key, ("local", self.stats.steps), len(local))
         finally:
             if batch:  # interrupted before its outputs arrived: its waiters must not wait forever
                 self.scheduler.update_from_output(batch, [[] for _ in batch])
