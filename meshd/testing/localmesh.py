@@ -115,7 +115,8 @@ class Mesh:
     """A set of daemons under one short temporary directory (Unix socket paths must stay short)."""
 
     def __init__(self, env: dict | None = None) -> None:
-        """`env` goes to every daemon; the default shortens record lifetimes for tests (8 s)."""
+        """`env` goes to every daemon; the default shortens record lifetimes for tests (8 s). Daemons
+        check no generation unless asked (MESHD_VERIFY_RATE=0, which `env` or a flag overrides)."""
         self.root = Path(tempfile.mkdtemp(prefix="meshd-", dir="/tmp"))
         self.daemons: list[DaemonProc] = []
         self.env = {"MESHD_RECORD_TTL": "8"} if env is None else env
@@ -123,7 +124,10 @@ class Mesh:
     def start(self, name: str, args: list[str], env: dict | None = None, preexec_fn=None, **where) -> DaemonProc:
         """`preexec_fn` runs in the child before the daemon starts (e.g. to enter a memory cgroup);
         `where` (`listen`, `wrap`) places it elsewhere than loopback, e.g. in a test-bed host."""
-        d = DaemonProc(self.root, name, args, {**self.env, **(env or {})}, preexec_fn, **where)
+        # no checked generations unless a test asks (--verify-rate, --verify): a check drawn at random
+        # (1 in 20 by default) would make a test's timing and stats differ from run to run
+        d = DaemonProc(self.root, name, args, {"MESHD_VERIFY_RATE": "0", **self.env, **(env or {})}, preexec_fn,
+                       **where)
         self.daemons.append(d)
         return d
 
