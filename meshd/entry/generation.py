@@ -78,10 +78,15 @@ class Entry:
             raise GenerationError(ErrorCode.BAD_FRAME, f"bad request (prompt, conversation or sampling): {exc}") from None
         stop = stop_ids(self.config, self.tokenizer, req.ignore_eos)
         gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop)
-        if chosen(self.verify_rate, req.verify):
-            gen.check = Check()  # runs without drafts: see meshd/entry/checked.py
+        drafts = self.drafts_for(req)
+        # a check runs without drafts (meshd/entry/checked.py), and a sampled generation's text depends on
+        # which steps drafted: a check drawn at random takes only generations whose text it cannot change
+        # (greedy, or without drafts anyway), so a seed gives the same text whether the draw fell or not
+        rate = self.verify_rate if req.temperature == 0 or drafts is None else 0.0
+        if chosen(rate, req.verify):
+            gen.check = Check()
         else:
-            gen.drafts = self.drafts_for(req)
+            gen.drafts = drafts
         return gen, sampling
 
     def drafts_for(self, req: GenerateRequest) -> Drafts | None:
