@@ -3,7 +3,8 @@
 `PassStats` keeps the numbers status, metrics, routing and busy replies read (compute seconds, the
 moving averages of a pass and of decode layer-steps per second). `route_outputs` hands a finished
 pass's hidden states to the links of their next hops and stamps each entry's tokens with how many
-of the pass's tokens go to that entry (see `meshd/hop/due.py`).
+of the pass's tokens go to that entry (see `meshd/hop/due.py`); `local_tokens` names the sessions
+whose tokens go to an entry in this daemon, whose next steps the next pass waits for the same way.
 """
 
 from __future__ import annotations

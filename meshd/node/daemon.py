@@ -147,7 +147,7 @@ class Daemon:
         s = self.settings
         if s.bootstrap and not await self.mesh.connect_bootstrap(s.bootstrap):
             log.error("no bootstrap peer reachable; serving alone until one dials in")
-        start, end = fixed or (0, 1)
+        start, end = self.mesh.record.start, self.mesh.record.end  # the fixed range, or the placeholder
         if fixed is None:
             self.lifecycle.to(State.CHOOSING)
             self.rebalancer = Rebalancer(self, s.layers_wanted(self.artifact.config.n_layers,
