@@ -8,6 +8,7 @@ threads each:
   - ggml: `ggml_mul_mat` from the libggml that llama-cpp-python ships (called through ctypes, one
     graph built per shape and reused; optional: `bash scripts/bench-extra.sh` builds it)
   - torch: torch's int4 kernel on the layout the lane used before (`quant.pack`, bfloat16 activations)
+  - on a CPU with AVX-512 VNNI, also meshd's kernel held to its AVX2 path (the same bits)
 Each is timed "hot" (one matrix, in cache) and "cold" (cycling through enough copies to exceed the
 last-level cache, as a decode step meets its weights). Medians of repeated calls; the ratio column
 is ggml's time over meshd's (above 1: meshd is faster).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -175,6 +177,10 @@ def main() -> None:
                 row = {"type": qname, "shape": [n, k], "what": label, "rows": m}
                 row["meshd_hot_ms"] = median_ms(lambda: ours[0].mm(x), calls)
                 row["meshd_cold_ms"] = median_ms(cycling(ours, lambda w: w.mm(x)), calls)
+                if blocks.isa() == "avx512":  # the same kernel held to AVX2, as most desktops run it
+                    avx2 = [dataclasses.replace(w, at_most="avx2") for w in ours]
+                    row["meshd_avx2_hot_ms"] = median_ms(lambda: avx2[0].mm(x), calls)
+                    row["meshd_avx2_cold_ms"] = median_ms(cycling(avx2, lambda w: w.mm(x)), calls)
                 torch.set_num_threads(THREADS)
                 xb = x.bfloat16()
                 row["torch_int4_hot_ms"] = median_ms(lambda: theirs_int4.mm(xb), calls)
@@ -193,7 +199,9 @@ def main() -> None:
                       f" {row['meshd_cold_ms']:8.3f}   ggml {row.get('ggml_hot_ms', float('nan')):8.3f} /"
                       f" {row.get('ggml_cold_ms', float('nan')):8.3f}   torch-int4 {row['torch_int4_hot_ms']:8.3f}"
                       f"   ggml/meshd {row.get('ggml_over_meshd_hot', float('nan')):5.2f} /"
-                      f" {row.get('ggml_over_meshd_cold', float('nan')):5.2f}", flush=True)
+                      f" {row.get('ggml_over_meshd_cold', float('nan')):5.2f}"
+                      + (f"   meshd-avx2 {row['meshd_avx2_hot_ms']:8.3f} / {row['meshd_avx2_cold_ms']:8.3f}"
+                         if "meshd_avx2_hot_ms" in row else ""), flush=True)
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags")
                     for f in line.split() if f in ("avx2", "avx512f", "avx512_vnni", "avx512vnni", "fma", "f16c")})
     summary = {}

@@ -8,6 +8,10 @@ bash scripts/setup.sh
 flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 if grep -qw avx512f /proc/cpuinfo; then
     flags="$flags -DGGML_AVX512=ON"
+    # the extensions ggml has kernels for, each only where the CPU lists it
+    grep -qw avx512_vnni /proc/cpuinfo && flags="$flags -DGGML_AVX512_VNNI=ON"
+    grep -qw avx512vbmi /proc/cpuinfo && flags="$flags -DGGML_AVX512_VBMI=ON"
+    grep -qw avx512_bf16 /proc/cpuinfo && flags="$flags -DGGML_AVX512_BF16=ON"
 fi
 CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     .venv/bin/python -m pip install -q --no-cache-dir "llama-cpp-python==0.3.36"

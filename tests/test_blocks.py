@@ -87,6 +87,34 @@ def test_the_portable_path_gives_the_bits_of_the_vector_path(qt):
     assert torch.equal(portable.mm(x, add_to=a), w.mm(x, add_to=b))
 
 
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_the_avx2_path_gives_the_bits_of_the_avx512_path(qt):
+    """Two weight rows a 512-bit register, VNNI's integer sums, the scales of eight rows converted
+    at once: the numbers of AVX2's one row a register, for every strip shape and thread share."""
+    if blocks.isa() != "avx512":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    cols = 768 if qt in K_HALVES else 576
+    for rows in (67, 70, 8, 3):  # strips of eight, then four, then fewer; 67 and 70 split unevenly
+        w, _ = weight(qt, rows, cols, seed=rows)
+        avx2 = dataclasses.replace(w, at_most="avx2")
+        for m in (1, 2, 3, 4, 5, 9, 33):
+            x = torch.randn(m, cols) * 4
+            x[0, :40] = 0.0  # a block of zeros: d = 0
+            assert torch.equal(avx2.mm(x), w.mm(x)), (rows, m)
+            residual = torch.randn(m, rows)
+            assert torch.equal(avx2.mm(x, add_to=residual.clone()), w.mm(x, add_to=residual.clone()))
+    # codes at their extremes: Q8_0's -128 (0x80) and -1 (0xff), every 4- and 5-bit code at 15 or 31
+    elems, size = GGML_QUANT_SIZES[qt]
+    for fill in (0x80, 0xFF, 0x00):
+        raw = np.full((16, cols // elems * size), fill, np.uint8)
+        for at in K_HALVES.get(qt, (0, 2) if qt in (QT.Q4_1, QT.Q5_1) else (0,)):  # finite scales, mins
+            raw.reshape(16, -1, size)[:, :, at:at + 2] = np.array([0.5], np.float16).view(np.uint8)
+        w = blocks.BlockWeight.from_raw(qt, raw, cols)
+        x = torch.where(torch.arange(cols) % 3 == 0, -50.0, 50.0).repeat(5, 1)
+        for m in (1, 5):
+            assert torch.equal(dataclasses.replace(w, at_most="avx2").mm(x[:m]), w.mm(x[:m])), fill
+
+
 @pytest.mark.parametrize("qt", [QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
 def test_both_paths_quantize_ties_tiny_and_non_finite_activations_alike(qt):
     """The AVX2 quantizer against the portable one where rounding and conversion have corners:

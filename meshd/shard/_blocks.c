@@ -483,6 +483,21 @@ strips_meet(const int sgn, const __m256i *codes, const float *sa, const float *s
     }
 }
 
+/* The next strip's rows (contiguous bytes) on their way to the cache while this one is decoded and
+ * met: a strip out of cache otherwise waits on memory at every decode (the LM head's 30 MB with 4 and
+ * 8 x rows took 5-10x one row's time; see kernel_bench's cold columns). */
+static const int AHEAD = 8;
+static inline void prefetch_strip(const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1) {
+#if HAVE_X86
+    if (c0 >= n1) return;
+    int64_t rows = n1 - c0 < STRIP ? n1 - c0 : STRIP;
+    const char *p = (const char *)(w + c0 * row_bytes);
+    for (int64_t at = 0; at < rows * row_bytes; at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
+#else
+    (void)w; (void)row_bytes; (void)c0; (void)n1;
+#endif
+}
+
 /* Many x rows (prefill, batches): a strip of STRIP weight rows is decoded once (codes and scales),
  * then met by every x row. */
 AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
@@ -492,6 +507,7 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
     float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
+        prefetch_strip(w, row_bytes, c0 + AHEAD * STRIP, n1);
         for (int i = 0; i < rows; i++) {
             const uint8_t *wr = w + (c0 + i) * row_bytes;
             for (int64_t b = 0; b < nb; b++) {
@@ -826,15 +842,36 @@ static int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+#include "_blocks_avx512.c"
 #else
 static int cpu_has_avx2(void) { return 0; }
+static int cpu_has_avx512(void) { return 0; }
 #endif
+
+/* The instruction sets, each a superset of the one before; a call runs on the best this CPU has,
+ * at most the one it asks for (tests compare them: they give the same bits), and at most the
+ * process's cap (limit_isa: to measure one against another). */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static const char *ISA_NAMES[] = {"portable", "avx2", "avx512"};
+static int best_isa = -1;
+
+static int cpu_isa(void) {
+    if (best_isa < 0) best_isa = cpu_has_avx2() ? (cpu_has_avx512() ? ISA_AVX512 : ISA_AVX2) : ISA_PORTABLE;
+    return best_isa;
+}
+
+/* A call's instruction set: `cap` 0 asks for the best, 1 + i for ISA_NAMES[i] at most. */
+static int isa_for(long long cap) {
+    int best = cpu_isa();
+    return cap > 0 && cap - 1 < best ? (int)cap - 1 : best;
+}
 
 /* ---- the pool ---- */
 
 /* A matmul's share of work: output features [n0, n1) of every row. */
 typedef struct {
-    int qtype, isa_avx2, accumulate;
+    int qtype, isa, accumulate;
     const uint8_t *w;
     int64_t row_bytes, n, m, nb; /* nb: x's blocks a row (32-wide, or 256-wide for a K type) */
     const void *xq;              /* XBlock or, for a K type, XKBlock */
@@ -853,7 +890,6 @@ static atomic_uint job_gen;        /* bumped for every job */
 static atomic_int job_left;        /* parts not finished */
 static atomic_int sleepers;
 static int pool_size = 0;          /* workers started (the caller is one more) */
-static int use_avx2 = -1;
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 /* how long an idle worker spins before it sleeps: between the matmuls of a layer (one kernel call) and
@@ -882,7 +918,11 @@ static void matmul_part(const void *ctx, int part, int parts) {
     if (n0 >= n1) return;
     int k_type = block_elems(j->qtype) == QKK;
 #if HAVE_X86
-    if (j->isa_avx2) {
+    if (j->isa == ISA_AVX512 && !k_type) {
+        rows_avx512(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        return;
+    }
+    if (j->isa) {
         if (k_type && j->m >= K_STRIPS_FROM) rows_avx2_k_strips(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         else if (k_type) rows_avx2_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         else rows_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
@@ -1314,11 +1354,10 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     (void)self;
     long long v[5];
     if (read_longs(args, nargs, 5, v, "silu_mul") < 0) return NULL;
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
     const float *x = (const float *)(intptr_t)v[0];
     float *out = (float *)(intptr_t)v[3];
     Py_BEGIN_ALLOW_THREADS
-    silu_mul_on(use_avx2 && !v[4], x, v[1], v[2], out);
+    silu_mul_on(isa_for(v[4]), x, v[1], v[2], out);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1335,11 +1374,10 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     long long v[6]; /* x, w, rows, cols, y, portable */
     PyObject *ints[6] = {args[0], args[1], args[2], args[3], args[5], args[6]};
     if (read_longs(ints, 6, 6, v, "rms_norm") < 0) return NULL;
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
     const float *x = (const float *)(intptr_t)v[0], *w = (const float *)(intptr_t)v[1];
     float *y = (float *)(intptr_t)v[4];
     Py_BEGIN_ALLOW_THREADS
-    rms_norm_on(use_avx2 && !v[5], x, w, v[2], v[3], (float)eps, y);
+    rms_norm_on(isa_for(v[5]), x, w, v[2], v[3], (float)eps, y);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1357,8 +1395,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "attend: heads must be a multiple of kv heads and hd of 8");
         return NULL;
     }
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
-    a.isa_avx2 = use_avx2 && !v[13];
+    a.isa_avx2 = isa_for(v[13]) >= ISA_AVX2;
     /* a decode step's few pairs are not worth waking the pool for */
     int threads = a.n * (a.pos + a.n) * a.heads >= 4096 ? (int)v[14] : 1;
     Job j = {attend_part, &a, 1};
@@ -1413,11 +1450,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "matmul: unsupported block type or inconsistent sizes");
         return NULL;
     }
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
     WRef wr = {qtype, (const uint8_t *)(intptr_t)v[1], row_bytes, n, k};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = matmul_c(&wr, (const float *)(intptr_t)v[5], m, (float *)(intptr_t)v[7], threads, use_avx2 && !portable,
+    rc = matmul_c(&wr, (const float *)(intptr_t)v[5], m, (float *)(intptr_t)v[7], threads, isa_for(portable),
                   (int)v[10]);
     Py_END_ALLOW_THREADS
     if (rc < 0) return PyErr_NoMemory();
@@ -1504,25 +1540,39 @@ static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "layer: the weights' shapes do not make a Llama layer");
         return NULL;
     }
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
     int rc, threads = c[7] < 1 ? 1 : (int)c[7];
     Py_BEGIN_ALLOW_THREADS
     rc = layer_c((float *)(intptr_t)a[0], R, H, (float)eps, (const float *)(intptr_t)b[0], (const float *)(intptr_t)b[1],
                  &wqkv, &wo, &wgu, &wdown, (const float *)(intptr_t)c[0], (const float *)(intptr_t)c[1], nh, nkv, hd,
-                 (const int64_t *)(intptr_t)c[5], c[6], threads, use_avx2 && !c[8]);
+                 (const int64_t *)(intptr_t)c[5], c[6], threads, isa_for(c[8]));
     Py_END_ALLOW_THREADS
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
+/* limit_isa(name): the process's kernels run on at most this instruction set from now on */
+static PyObject *py_limit_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    int best = cpu_isa();
+    for (int i = 0; i <= ISA_AVX512; i++)
+        if (strcmp(name, ISA_NAMES[i]) == 0) {
+            if (i < best) best_isa = i;
+            Py_RETURN_NONE;
+        }
+    PyErr_Format(PyExc_ValueError, "limit_isa: unknown instruction set %s", name);
+    return NULL;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
-    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
+    return PyUnicode_FromString(ISA_NAMES[cpu_isa()]);
 }
 
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "y = x @ W.T over GGUF blocks"},
     {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
+    {"limit_isa", py_limit_isa, METH_O, "run on at most this instruction set from now on"},
     {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL, "a whole Llama decoder layer, in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of float32 rows"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "causal attention over bfloat16 KV"},

@@ -90,9 +90,28 @@ def available(qtype: QT) -> bool:
     return KERNEL is not None and qtype in TYPES
 
 
+ISAS = ("portable", "avx2", "avx512")  # each a superset of the one before; all give the same bits
+
+
 def isa() -> str:
-    """The instruction set the kernel runs on ("avx2", "portable"), or "absent"."""
+    """The instruction set the kernel runs on ("avx512", "avx2", "portable"), or "absent"."""
     return KERNEL.isa() if KERNEL is not None else "absent"
+
+
+def limit_isa(name: str) -> None:
+    """Run this process's kernels on at most `name` (one of ISAS) from now on: benches compare the
+    instruction sets of one CPU with it (the bits are the same)."""
+    if name not in ISAS:
+        raise ValueError(f"unknown instruction set {name!r}: one of {', '.join(ISAS)}")
+    if KERNEL is not None:
+        KERNEL.limit_isa(name)
+
+
+def _cap(portable: bool, at_most: str) -> int:
+    """The kernel's argument for a call's instruction set: 0 the best, 1 + i ISAS[i] at most."""
+    if portable:
+        return 1
+    return ISAS.index(at_most) + 1 if at_most else 0
 
 
 @dataclass
@@ -104,6 +123,7 @@ class BlockWeight:
     out_features: int
     in_features: int
     portable: bool = False  # force the portable C path (tests compare it with AVX2)
+    at_most: str = ""  # an instruction set (ISAS) to stay within; "" the best this CPU has
 
     @classmethod
     def from_raw(cls, qtype: QT, rows: np.ndarray, cols: int) -> "BlockWeight":
@@ -135,7 +155,7 @@ class BlockWeight:
         else:
             y = add_to
         KERNEL.matmul(int(self.qtype), self.data.data_ptr(), self.data.shape[1], self.out_features,
-                      self.in_features, x.data_ptr(), m, y.data_ptr(), _pool_threads(), int(self.portable),
+                      self.in_features, x.data_ptr(), m, y.data_ptr(), _pool_threads(), _cap(self.portable, self.at_most),
                       int(add_to is not None))
         return y
 

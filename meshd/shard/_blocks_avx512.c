@@ -1,0 +1,239 @@
+/* The 32-wide block types' matmuls on AVX-512 (F, BW, VL, DQ and VNNI), included by _blocks.c after
+ * its AVX2 part, whose helpers (codes_avx2, scales_f16c, finish_avx2) it reuses.
+ *
+ * The bits are the AVX2 path's: a 512-bit register holds two weight rows side by side, each half
+ * computing exactly what one AVX2 register computes for its row (lane j of a row sums elements
+ * 4j..4j+3 of every block as an exact integer, converts it and adds it with one fused multiply-add
+ * by the same float scale; one fixed horizontal sum at the end). VNNI's vpdpbusd gives the integer
+ * that maddubs + madd give, since no pair of products here reaches maddubs' int16 saturation
+ * (|u| <= 128, |q| <= 127: 2 * 128 * 127 < 32768), and the int32 sums cannot overflow. A strip's rows that do not fill a pair go through
+ * the AVX2 code, which gives the same bits. */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+/* Sixteen int32 lanes: each half is dot_avx2 of its row's codes u and the activations q. vpdpbusd
+ * takes unsigned codes; signed ones (Q8_0) go as u + 128 (u ^ 0x80, see flip_signed), the sum
+ * starting from -128 * (q's four elements), which `bias` holds (bias_vnni): the same integer. */
+AVX512 static inline __m512i dot_vnni(const int signed8, __m512i u, __m512i q, __m512i bias) {
+    return _mm512_dpbusd_epi32(signed8 ? bias : _mm512_setzero_si512(), u, q);
+}
+
+AVX512 static inline __m512i bias_vnni(const int signed8, __m512i q) {
+    if (!signed8) return _mm512_setzero_si512();
+    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), q));
+}
+
+AVX512 static inline __m512i flip_signed(const int signed8, __m512i u) {
+    return signed8 ? _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80)) : u;
+}
+
+AVX512 static inline __m512i pair_si(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+AVX512 static inline __m512 pair_ps(float lo, float hi) {
+    return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
+}
+
+/* Two rows' codes of block b. Q4_0 / Q4_1: each row's 16 bytes twice in its half, the upper
+ * copy shifted by four, then masked: the low nibbles are elements 0..15, the high ones 16..31,
+ * as nibbles16 orders them. */
+AVX512 static inline __attribute__((always_inline)) __m512i codes_pair(const int qtype, const uint8_t *r0,
+                                                                       const uint8_t *r1, int64_t b) {
+    if (qtype == Q4_0 || qtype == Q4_1) {
+        const int at = qtype == Q4_1 ? 20 : 18, skip = qtype == Q4_1 ? 4 : 2;
+        __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(r0 + b * at + skip))),
+                                       _mm_loadu_si128((const __m128i *)(r1 + b * at + skip)), 2);
+        v = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(2, 2, 0, 0));
+        v = _mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4);
+        return _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
+    }
+    return pair_si(codes_avx2(qtype, r0, b), codes_avx2(qtype, r1, b));
+}
+
+/* Sum halves into two outputs each, as finish_avx2 does for a row. */
+AVX512 static inline void finish_pairs(const __m512 *acc, const float *off, int pairs, float *out, int accumulate) {
+    for (int p = 0; p < pairs; p++) {
+        __m256 h[2] = {_mm512_castps512_ps256(acc[p]), _mm512_extractf32x8_ps(acc[p], 1)};
+        finish_avx2(h, off + 2 * p, 2, out + 2 * p, accumulate);
+    }
+}
+
+/* One x row against 2 * PAIRS weight rows, each block decoded where it is met (strip_direct's
+ * order, prefetch included). */
+AVX512 static inline __attribute__((always_inline)) void
+strip_direct_512(const int qtype, const int pairs, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1,
+                 const XBlock *xr, int64_t nb, float *out, int accumulate) {
+    const int sgn = signed_codes(qtype), rows = 2 * pairs;
+    __m512 acc[4];
+    float off[8];
+    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
+    for (int i = 0; i < rows; i++) off[i] = 0.0f;
+    const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
+    int64_t ahead = c0 + 8 * STRIP < n1 ? rows * row_bytes : 0, per = (rows * row_bytes + nb - 1) / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[b].q)), bias = bias_vnni(sgn, q);
+        float xd = xr[b].d, xs = xr[b].s;
+        for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        for (int p = 0; p < pairs; p++) {
+            const uint8_t *r0 = w + (c0 + 2 * p) * row_bytes, *r1 = r0 + row_bytes;
+            float a0, a1, o0, o1;
+            scales_f16c(qtype, r0, b, &a0, &o0);
+            scales_f16c(qtype, r1, b, &a1, &o1);
+            __m512 s = _mm512_cvtepi32_ps(dot_vnni(sgn, flip_signed(sgn, codes_pair(qtype, r0, r1, b)), q, bias));
+            acc[p] = _mm512_fmadd_ps(pair_ps(a0 * xd, a1 * xd), s, acc[p]);
+            if (!sgn) {
+                off[2 * p] = fmaf(o0, xs, off[2 * p]);
+                off[2 * p + 1] = fmaf(o1, xs, off[2 * p + 1]);
+            }
+        }
+    }
+    finish_pairs(acc, off, pairs, out, accumulate);
+}
+
+/* Eight rows' block-b scales at once: their first four bytes gathered (a half d, and Q4_1 / Q5_1's
+ * half m after it), all sixteen halves converted as F16C converts one. Lane 2i is row i's d, lane
+ * 2i + 1 its m (junk for the types without one: their offset is d times -8 or -16, exactly). */
+AVX512 static inline __attribute__((always_inline)) __m512 heads8(const uint8_t *blk, __m256i rows_at) {
+    return _mm512_cvtph_ps(_mm256_i32gather_epi32((const int *)blk, rows_at, 1));
+}
+
+/* One x row against eight weight rows: strip_direct_512's sums with the scales of all eight rows
+ * converted, multiplied and added as vectors (each lane the same rounding as the scalar steps). */
+AVX512 static inline __attribute__((always_inline)) void
+strip8_direct_512(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1, const XBlock *xr,
+                  int64_t nb, float *out, int accumulate) {
+    const int sgn = signed_codes(qtype), bb = block_bytes(qtype);
+    const float cmul = qtype == Q4_0 ? -8.0f : (qtype == Q5_0 ? -16.0f : 0.0f);
+    const int own_m = qtype == Q4_1 || qtype == Q5_1;
+    const uint8_t *base = w + c0 * row_bytes;
+    const __m256i rows_at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)row_bytes));
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 off = _mm512_setzero_ps();
+    const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
+    int64_t ahead = c0 + 8 * STRIP < n1 ? 8 * row_bytes : 0, per = (8 * row_bytes + nb - 1) / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[b].q)), bias = bias_vnni(sgn, q);
+        for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        __m512 dm = heads8(base + b * bb, rows_at);
+        __m512 scale = _mm512_mul_ps(dm, _mm512_set1_ps(xr[b].d)); /* lane 2i: a_i * xd */
+        if (!sgn) {
+            __m512 c = own_m ? dm : _mm512_mul_ps(dm, _mm512_set1_ps(cmul)); /* lane 2i + 1 or 2i: c_i */
+            off = _mm512_fmadd_ps(c, _mm512_set1_ps(xr[b].s), off);
+        }
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *r0 = base + 2 * p * row_bytes;
+            __m512 s = _mm512_permutexvar_ps(
+                _mm512_inserti64x4(_mm512_set1_epi32(4 * p), _mm256_set1_epi32(4 * p + 2), 1), scale);
+            __m512i u = flip_signed(sgn, codes_pair(qtype, r0, r0 + row_bytes, b));
+            __m512 dot = _mm512_cvtepi32_ps(dot_vnni(sgn, u, q, bias));
+            acc[p] = _mm512_fmadd_ps(s, dot, acc[p]);
+        }
+    }
+    float lanes[16], o[8];
+    _mm512_storeu_ps(lanes, off);
+    for (int i = 0; i < 8; i++) o[i] = sgn ? 0.0f : lanes[own_m ? 2 * i + 1 : 2 * i];
+    finish_pairs(acc, o, 4, out, accumulate);
+}
+
+#define DIRECT_512(QT)                                                                                      \
+    do {                                                                                                    \
+        if (rows == 2 * STRIP) strip8_direct_512(QT, w, row_bytes, c0, n1, xr, nb, out, accumulate);          \
+        else if (rows == STRIP) strip_direct_512(QT, STRIP / 2, w, row_bytes, c0, n1, xr, nb, out, accumulate); \
+        else strip_direct(QT, rows, w, row_bytes, c0, n1, xr, nb, out, accumulate);                        \
+    } while (0)
+
+/* Few x rows (decode): eight weight rows at a time where there are eight, then four, then the rest
+ * on AVX2. */
+AVX512 static void rows_avx512_direct(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1,
+                                      int64_t n, const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    for (int64_t c0 = n0; c0 < n1;) {
+        int rows = (int)(n1 - c0 >= 2 * STRIP ? 2 * STRIP : (n1 - c0 >= STRIP ? STRIP : n1 - c0));
+        for (int64_t r = 0; r < m; r++) {
+            const XBlock *xr = xq + r * nb;
+            float *out = y + r * n + c0;
+            switch (qtype) {
+            case Q4_0: DIRECT_512(Q4_0); break;
+            case Q4_1: DIRECT_512(Q4_1); break;
+            case Q5_0: DIRECT_512(Q5_0); break;
+            case Q5_1: DIRECT_512(Q5_1); break;
+            default: DIRECT_512(Q8_0); break;
+            }
+        }
+        c0 += rows;
+    }
+}
+
+/* Every x row against one decoded strip of STRIP rows (two pairs): the codes as pairs, the scales
+ * as pair vectors, so a block's two products per pair are two instructions. */
+AVX512 static inline __attribute__((always_inline)) void
+strips_meet_512(const int sgn, const __m512i *codes, const __m512 *sa, const float *sb, const XBlock *xq, int64_t m,
+                int64_t nb, float *y, int64_t n, int accumulate) {
+    for (int64_t r = 0; r < m; r++) {
+        const XBlock *xr = xq + r * nb;
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m128 off = _mm_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[b].q)), bias = bias_vnni(sgn, q);
+            __m512 xd = _mm512_set1_ps(xr[b].d);
+            for (int p = 0; p < 2; p++) {
+                __m512 s = _mm512_cvtepi32_ps(dot_vnni(sgn, codes[2 * b + p], q, bias));
+                acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(sa[2 * b + p], xd), s, acc[p]);
+            }
+            /* off[i] = fmaf(sb[i], xs, off[i]) for the four rows at once: the same roundings */
+            if (!sgn) off = _mm_fmadd_ps(_mm_loadu_ps(sb + STRIP * b), _mm_set1_ps(xr[b].s), off);
+        }
+        float o[STRIP];
+        _mm_storeu_ps(o, off);
+        finish_pairs(acc, o, 2, y + r * n, accumulate);
+    }
+}
+
+/* Many x rows (prefill, batches): rows_avx2_strips with the pairs above; a strip short of STRIP
+ * rows goes through AVX2's. */
+AVX512 static void rows_avx512_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1,
+                                      int64_t n, const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    int sgn = signed_codes(qtype);
+    __m512i *codes = aligned_alloc(64, (size_t)2 * nb * sizeof(__m512i));
+    __m512 *sa = aligned_alloc(64, (size_t)2 * nb * sizeof(__m512));
+    float *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    int64_t whole = n0 + (n1 - n0) / STRIP * STRIP;
+    if (!codes || !sa || !sb) whole = n0; /* out of memory: all of it on AVX2, which allocates less */
+    for (int64_t c0 = n0; c0 < whole; c0 += STRIP) {
+        prefetch_strip(w, row_bytes, c0 + AHEAD * STRIP, n1);
+        for (int p = 0; p < 2; p++) /* a pair's two rows read front to back, as the prefetchers like */
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *r0 = w + (c0 + 2 * p) * row_bytes, *r1 = r0 + row_bytes;
+                float a0, a1;
+                switch (qtype) { /* constant types, so each decoder's branches fold away */
+                case Q4_0: codes[2 * b + p] = codes_pair(Q4_0, r0, r1, b); break;
+                case Q4_1: codes[2 * b + p] = codes_pair(Q4_1, r0, r1, b); break;
+                case Q5_0: codes[2 * b + p] = codes_pair(Q5_0, r0, r1, b); break;
+                case Q5_1: codes[2 * b + p] = codes_pair(Q5_1, r0, r1, b); break;
+                default: codes[2 * b + p] = flip_signed(1, codes_pair(Q8_0, r0, r1, b)); break;
+                }
+                scales_f16c(qtype, r0, b, &a0, &sb[STRIP * b + 2 * p]);
+                scales_f16c(qtype, r1, b, &a1, &sb[STRIP * b + 2 * p + 1]);
+                sa[2 * b + p] = pair_ps(a0, a1);
+            }
+        if (sgn) strips_meet_512(1, codes, sa, sb, xq, m, nb, y + c0, n, accumulate);
+        else strips_meet_512(0, codes, sa, sb, xq, m, nb, y + c0, n, accumulate);
+    }
+    free(codes);
+    free(sa);
+    free(sb);
+    if (whole < n1) rows_avx2_strips(qtype, w, row_bytes, whole, n1, n, xq, m, nb, y, accumulate);
+}
+
+static void rows_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                        const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    if (m < STRIP) rows_avx512_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
+    else rows_avx512_strips(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
+}
+
+static int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+}
