@@ -62,8 +62,8 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
     gen.check.second = b
     gen.begin_attempt(a + b[1:])  # both routes' hops computed every position (the ledger's credits)
     gen.route = a
-    async with entry._open_route(first, retries.epoch, req, gen, sampling) as at_a, \
-            entry._open_route(second, retries.epoch, req, gen, sampling) as at_b:
+    async with entry.routes.open_route(first, retries.epoch, req, gen, sampling) as at_a, \
+            entry.routes.open_route(second, retries.epoch, req, gen, sampling) as at_b:
         tokens = await both(lambda at: entry._first_token(at, gen), [at_a, at_b])
         while True:
             if tokens[0] != tokens[1]:
@@ -137,7 +137,7 @@ async def token_on(entry, route: Route, req, gen: Generation, sampling, retries,
     and its hops' sketches of that step when `extra` asks for them."""
     gen.begin_attempt([[entry.mesh.peer_id, 0, entry.end]] + route.describe())
     try:
-        async with entry._open_route(route, retries.epoch, req, gen, sampling) as at:
+        async with entry.routes.open_route(route, retries.epoch, req, gen, sampling) as at:
             token = await entry._first_token(at, gen, extra)
             return token, sketch.read(at.last_token.tensors) if extra and at.last_token is not None else {}
     except BaseExceptionGroup as group:
