@@ -118,7 +118,7 @@ class Entry:
                     if gen.check is not None:
                         await run_checked(self, req, gen, sampling, retries, text, emit)
                     else:
-                        await self._attempt(req, gen, sampling, retries, text, emit)
+                        await self.attempt(req, gen, sampling, retries, text, emit)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
@@ -148,16 +148,18 @@ class Entry:
         """A route from this entry's layers on (see `Routes.plan`)."""
         return self.routes.plan(failed, busy, avoid)
 
-    async def _attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit,
-                       route: Route | None = None) -> None:
+    async def attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit,
+                      route: Route | None = None) -> None:
+        """One try at the generation over `route` (else one planned around the failed and busy hops),
+        its text emitted as it comes."""
         route = self.plan(retries.failed, retries.busy) if route is None else route
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
         async with self.routes.open_route(route, retries.epoch, req, gen, sampling) as at:
-            token = await self._first_token(at, gen)
+            token = await self.first_token(at, gen)
             await self._decode(at, req, gen, text, [token], emit)
 
     @staticmethod
-    async def _first_token(at: Attempt, gen: Generation, extra=()) -> int:
+    async def first_token(at: Attempt, gen: Generation, extra=()) -> int:
         """The prompt through the route, then (after a reroute) the tokens so far: the token after them
         (`extra` tensors go with the last replayed frame: a sketch request)."""
         token = await at.prefill(gen.ids)
@@ -175,7 +177,7 @@ class Entry:
                 taken.append(token)
                 if gen.accept(token):
                     for t in taken:
-                        await self._emit(req, gen, text, t, emit)
+                        await self.emit_token(req, gen, text, t, emit)
                     return
             # greedy text is the same with drafts or without, so a greedy generation drafts only where
             # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
@@ -186,21 +188,21 @@ class Entry:
             # the next step is under way (submitted to this daemon's pass) before the client is
             # sent these tokens' text: writing to the client does not delay every pass here
             async with trio.open_nursery() as overlap:
-                overlap.start_soon(self._emit_all, req, gen, text, taken, emit)
+                overlap.start_soon(self.emit_tokens, req, gen, text, taken, emit)
                 reply = await at.advance(len(gen.tokens), Phase.VERIFY if drafts else Phase.DECODE, position,
                                          [taken[-1], *drafts])
             if drafts:
                 gen.verified(len(drafts), reply.accepted)
             tokens = [*drafts[:reply.accepted], reply.token_id]
 
-    async def _emit_all(self, req, gen: Generation, text, tokens: list[int], emit) -> None:
-        """The tokens' text, in order, all of it (they count as generated: see `_emit`)."""
+    async def emit_tokens(self, req, gen: Generation, text, tokens: list[int], emit) -> None:
+        """The tokens' text, in order, all of it (they count as generated: see `emit_token`)."""
         with trio.CancelScope(shield=True):
             for token in tokens:
-                await self._emit(req, gen, text, token, emit)
+                await self.emit_token(req, gen, text, token, emit)
 
     @staticmethod
-    async def _emit(req, gen: Generation, text, token: int, emit) -> None:
+    async def emit_token(req, gen: Generation, text, token: int, emit) -> None:
         """Send a generated token's text to the client. Not cancelled half-way by a hop failing
         meanwhile: the token counts as generated, and a reroute does not send its text again."""
         piece = text.push(token)
