@@ -5,8 +5,9 @@ Rules: one `Attempt` per generation and route, never shared, so concurrent gener
 each other's hops or mix their stats. Every wait has a deadline: a hop silent for SILENT_S (no frame,
 no echo of a ping) is failed at once; hops that echo their pings get up to STEP_TIMEOUT a step,
 however slowly they compute. The hop service it runs its own layers on is injected (`service`), and
-the transport to the hops is whatever `Channel`s `add_hop` is given, so tests drive it over memory
-channels and trio's MockClock.
+the transport to the hops is whatever `Channel`s `add_hop` is given (and the service's link to the
+first hop, when `linked`: opened by `meshd/entry/opening.py`), so tests drive it over memory channels
+and trio's MockClock.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Message, Phase, Token, WireError, chunk_spans
 
-OPEN_TIMEOUT = 30.0
 STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
 HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
 SILENT_S = 1.5  # a hop that answers nothing (no ping, no frame) for this long is failed: a frozen hop
@@ -58,22 +58,9 @@ class Attempt:
         self.pending: dict[str, int] = {}  # frames a hop holds or will hold, not yet answered
         self.heard: dict[str, float] = {}  # when each hop last said anything (a frame or a ping's echo)
         self.tokens_send, self.tokens_recv = trio.open_memory_channel[Token | Error](16)
-        self.linked = False  # the entry's own outputs go to the first hop over the service's shared link
+        self.linked = False  # the entry's own outputs go to the first hop over the service's shared link (set by
+        # whoever opened the route: see meshd/entry/opening.py)
         self.last_token: Token | None = None  # the tail's last answer (its sketches, when asked for)
-
-    async def link_first_hop(self, addrs) -> None:
-        """Send the entry's own outputs to the first hop the way hops send theirs: with those of the
-        other generations of the same pass, as one frame on one link (see `meshd/hop/links.py`). A
-        link that breaks reports here, as an Error from the first hop."""
-        peer = self.hops[0][0]
-        try:
-            with trio.fail_after(OPEN_TIMEOUT):
-                await self.service.forward_outputs((self.sid, self.epoch), peer, addrs, LinkErrors(self.tokens_send))
-        except Exception as exc:  # the session stream still works: send on it instead
-            log.info("no link to the first hop, sending on the session stream", peer=peer[-8:],
-                     error=f"{type(exc).__name__}: {exc}")
-            return
-        self.linked = True
 
     def add_hop(self, peer: str, channel: Channel, forwards: bool = False) -> None:
         self.hops.append((peer, channel))

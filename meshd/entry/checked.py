@@ -58,13 +58,13 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
         gen.check.second = []
         log.info("no replica on the route: the generation runs unchecked", layers=gen.check.unchecked)
         gen.drafts = gen.drafts or entry.drafts_for(req)  # one route: speculation as usual
-        return await entry._attempt(req, gen, sampling, retries, text, emit, route=first)
+        return await entry.attempt(req, gen, sampling, retries, text, emit, route=first)
     gen.check.second = b
     gen.begin_attempt(a + b[1:])  # both routes' hops computed every position (the ledger's credits)
     gen.route = a
-    async with entry._open_route(first, retries.epoch, req, gen, sampling) as at_a, \
-            entry._open_route(second, retries.epoch, req, gen, sampling) as at_b:
-        tokens = await both(lambda at: entry._first_token(at, gen), [at_a, at_b])
+    async with entry.routes.open_route(first, retries.epoch, req, gen, sampling) as at_a, \
+            entry.routes.open_route(second, retries.epoch, req, gen, sampling) as at_b:
+        tokens = await both(lambda at: entry.first_token(at, gen), [at_a, at_b])
         while True:
             if tokens[0] != tokens[1]:
                 seed, sketches = await sketch_step(gen, (at_a, at_b)) if gen.tokens else (0, None)
@@ -73,12 +73,12 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
             token = tokens[0]
             gen.check.compared += 1
             if gen.accept(token):
-                await entry._emit(req, gen, text, token, emit)
+                await entry.emit_token(req, gen, text, token, emit)
                 return
             position = len(gen.ids) + len(gen.tokens) - 1
             step = len(gen.tokens)
             async with trio.open_nursery() as overlap:  # the text goes out while both routes compute on
-                overlap.start_soon(entry._emit_all, req, gen, text, [token], emit)
+                overlap.start_soon(entry.emit_tokens, req, gen, text, [token], emit)
                 tokens = await both(lambda at: at.step(step, Phase.DECODE, position, [token]), [at_a, at_b])
 
 
@@ -137,8 +137,8 @@ async def token_on(entry, route: Route, req, gen: Generation, sampling, retries,
     and its hops' sketches of that step when `extra` asks for them."""
     gen.begin_attempt([[entry.mesh.peer_id, 0, entry.end]] + route.describe())
     try:
-        async with entry._open_route(route, retries.epoch, req, gen, sampling) as at:
-            token = await entry._first_token(at, gen, extra)
+        async with entry.routes.open_route(route, retries.epoch, req, gen, sampling) as at:
+            token = await entry.first_token(at, gen, extra)
             return token, sketch.read(at.last_token.tensors) if extra and at.last_token is not None else {}
     except BaseExceptionGroup as group:
         raise first_of(group) from None

@@ -9,6 +9,7 @@ in a pass, and a token's text goes to the client while its next step already run
 makes the entry plan a new route (new epoch) without that peer and replay the prompt and the tokens
 so far: the client sees a pause, not an error, while the mesh still covers the model
 (`meshd/entry/policy.py` decides). Close, cancel or a vanished client release the KV on every hop.
+Planning and opening a route are `meshd/entry/opening.py`'s; driving one is `meshd/entry/attempt.py`'s.
 
 An `Entry` belongs to one loaded range (the daemon makes a new one when it moves): a generation that
 began before a move reroutes from the layers it started with.
@@ -17,28 +18,25 @@ began before a move reroutes from the layers it started with.
 from __future__ import annotations
 
 import json
-import os
 import time
-from contextlib import asynccontextmanager
 from typing import Awaitable, Callable
 
 import trio
 
-from meshd.entry.attempt import OPEN_TIMEOUT, Attempt
+from meshd.entry.attempt import Attempt
 from meshd.entry.checked import run_checked, settle_disagreement
 from meshd.entry.checks import Check, Exclusions, chosen
 from meshd.entry.drafts import DRAFT_MAX, Drafts, worth_drafting
-from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, first_of, hop_error, outcome_of
+from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, first_of, outcome_of
 from meshd.entry.microbatch import Microbatches
+from meshd.entry.opening import Routes
 from meshd.entry.policy import BUSY_WAIT_S, Retries
-from meshd.entry.route import NoRoute, Route, link_latency, plan_around
-from meshd.entry.state import Generation, open_session, stop_ids
+from meshd.entry.route import Route
+from meshd.entry.state import Generation, stop_ids
 from meshd.node.log import get_logger
-from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard.sampler import SamplingParams
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
-from meshd.wire import (Close, Error, ErrorCode, GenerateRequest, Opened, Phase, StreamEvent, WireError)
-from meshd.wire.protocols import SHARD_PROTOCOL
+from meshd.wire import ErrorCode, GenerateRequest, Phase, StreamEvent
 
 log = get_logger(__name__)
 Emit = Callable[[StreamEvent], Awaitable[None]]
@@ -53,12 +51,8 @@ class Entry:
                  speculate: bool = True, draft_max: int = DRAFT_MAX, ledger=None, verify_rate: float = 0.0,
                  exclusions: Exclusions | None = None) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
-        self.model_fp, self.recipe_fp = model_fp, recipe_fp
-        self.mesh, self.open_stream, self.end = mesh, open_stream, end
+        self.mesh, self.end = mesh, end
         self.busy_wait_s = busy_wait_s
-        self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
-        self.microbatches = microbatches  # spread generations over so many, at most one per daemon on the route
-        # (0: exactly one per daemon on the route)
         self.speculate, self.draft_max = speculate, draft_max  # drafts (prompt lookup), at most so many a step
         self.drafted = self.accepted = 0  # draft tokens sent and accepted, all generations (status, metrics)
         self.microbatch_use = Microbatches()
@@ -67,6 +61,9 @@ class Entry:
         self.exclusions = Exclusions() if exclusions is None else exclusions  # peers kept off routes (the
         # daemon's, shared by its entries across moves; its times are time.monotonic())
         self.checked = self.disagreed = 0  # generations checked on two routes, and of those, disagreements
+        self.routes = Routes(service, mesh, open_stream, end=end, model_fp=model_fp, recipe_fp=recipe_fp,
+                             forwarding=forwarding, microbatches=microbatches, microbatch_use=self.microbatch_use,
+                             exclusions=self.exclusions)  # plans and opens this range's routes
 
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
@@ -121,7 +118,7 @@ class Entry:
                     if gen.check is not None:
                         await run_checked(self, req, gen, sampling, retries, text, emit)
                     else:
-                        await self._attempt(req, gen, sampling, retries, text, emit)
+                        await self.attempt(req, gen, sampling, retries, text, emit)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
@@ -148,66 +145,21 @@ class Entry:
                 "entry_compute_s": round(gen.local_s, 3), "route_wait_s": round(gen.wait_s, 3)}
 
     def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset()) -> Route:
-        """A route from this entry's layers on, around the hops that failed, those that are full and
-        those excluded after a check; through peers in `avoid` only where no other serves the layers."""
-        coverage = self.mesh.coverage.serving()
-        links = link_latency(coverage.records, dict(self.mesh.latency))
-        excluded = self.exclusions.active(time.monotonic())
-        try:
-            route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
-                                         avoid)
-        except NoRoute as exc:
-            raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
-        if retried:
-            log.info("retrying a failed hop: no other covers its layers", hops=len(route.hops))
-        return route
+        """A route from this entry's layers on (see `Routes.plan`)."""
+        return self.routes.plan(failed, busy, avoid)
 
-    async def _attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit,
-                       route: Route | None = None) -> None:
+    async def attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit,
+                      route: Route | None = None) -> None:
+        """One try at the generation over `route` (else one planned around the failed and busy hops),
+        its text emitted as it comes."""
         route = self.plan(retries.failed, retries.busy) if route is None else route
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
-        async with self._open_route(route, retries.epoch, req, gen, sampling) as at:
-            token = await self._first_token(at, gen)
+        async with self.routes.open_route(route, retries.epoch, req, gen, sampling) as at:
+            token = await self.first_token(at, gen)
             await self._decode(at, req, gen, text, [token], emit)
 
-    @asynccontextmanager
-    async def _open_route(self, route: Route, epoch: int, req, gen: Generation, sampling):
-        """An `Attempt` with a session open on this daemon and on every hop of `route`, its hops'
-        outputs moving (pumps, pings) while the caller drives it; every session released after."""
-        sid = os.urandom(16)
-        at = Attempt(self.service, gen, sid, epoch)
-        daemons = len(route.hops) + 1
-        microbatch = self.microbatch_use.take(min(self.microbatches, daemons) if self.microbatches else daemons)
-        try:
-            async with trio.open_nursery() as nursery:
-                await self._open_local(sid, epoch, req, gen, sampling, microbatch)
-                for i, hop in enumerate(route.hops):
-                    nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
-                    at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, gen, sampling, nxt,
-                                                                  microbatch))
-                if at.hops and self.forwarding:
-                    await at.link_first_hop(route.hops[0].addrs)
-                for i, (peer, channel) in enumerate(at.hops):
-                    nxt = at.hops[i + 1] if i + 1 < len(at.hops) else None
-                    nursery.start_soon(at.pump, peer, channel, nxt)
-                if at.hops:
-                    nursery.start_soon(at.keepalive)
-                yield at
-                nursery.cancel_scope.cancel()
-        finally:
-            self.microbatch_use.give(microbatch)
-            with trio.CancelScope(shield=True):
-                await self.service.release((sid, epoch))
-                with trio.move_on_after(2.0):
-                    for _, channel in at.hops:
-                        try:
-                            await channel.send(Close(session_id=sid, epoch=epoch))
-                        except ChannelClosed:
-                            pass
-                        await channel.aclose()
-
     @staticmethod
-    async def _first_token(at: Attempt, gen: Generation, extra=()) -> int:
+    async def first_token(at: Attempt, gen: Generation, extra=()) -> int:
         """The prompt through the route, then (after a reroute) the tokens so far: the token after them
         (`extra` tensors go with the last replayed frame: a sketch request)."""
         token = await at.prefill(gen.ids)
@@ -225,7 +177,7 @@ class Entry:
                 taken.append(token)
                 if gen.accept(token):
                     for t in taken:
-                        await self._emit(req, gen, text, t, emit)
+                        await self.emit_token(req, gen, text, t, emit)
                     return
             # greedy text is the same with drafts or without, so a greedy generation drafts only where
             # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
@@ -236,21 +188,21 @@ class Entry:
             # the next step is under way (submitted to this daemon's pass) before the client is
             # sent these tokens' text: writing to the client does not delay every pass here
             async with trio.open_nursery() as overlap:
-                overlap.start_soon(self._emit_all, req, gen, text, taken, emit)
+                overlap.start_soon(self.emit_tokens, req, gen, text, taken, emit)
                 reply = await at.advance(len(gen.tokens), Phase.VERIFY if drafts else Phase.DECODE, position,
                                          [taken[-1], *drafts])
             if drafts:
                 gen.verified(len(drafts), reply.accepted)
             tokens = [*drafts[:reply.accepted], reply.token_id]
 
-    async def _emit_all(self, req, gen: Generation, text, tokens: list[int], emit) -> None:
-        """The tokens' text, in order, all of it (they count as generated: see `_emit`)."""
+    async def emit_tokens(self, req, gen: Generation, text, tokens: list[int], emit) -> None:
+        """The tokens' text, in order, all of it (they count as generated: see `emit_token`)."""
         with trio.CancelScope(shield=True):
             for token in tokens:
-                await self._emit(req, gen, text, token, emit)
+                await self.emit_token(req, gen, text, token, emit)
 
     @staticmethod
-    async def _emit(req, gen: Generation, text, token: int, emit) -> None:
+    async def emit_token(req, gen: Generation, text, token: int, emit) -> None:
         """Send a generated token's text to the client. Not cancelled half-way by a hop failing
         meanwhile: the token counts as generated, and a reroute does not send its text again."""
         piece = text.push(token)
@@ -260,33 +212,3 @@ class Entry:
             with trio.CancelScope(shield=True):
                 await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token,
                                        stats=first))
-
-    def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0):
-        forward = nxt is not None and self.forwarding
-        return open_session(req.request_id, sid, epoch, start, end, self.model_fp, self.recipe_fp, gen.max_length,
-                            sampling, next_peer=nxt.peer_id if forward else "",
-                            next_addrs=" ".join(nxt.addrs) if forward else "", microbatch=microbatch)
-
-    async def _open_local(self, sid, epoch, req, gen, sampling, microbatch=0) -> None:
-        reply = await self.service.handle(self._open_msg(sid, epoch, 0, self.end, req, gen, sampling,
-                                                         microbatch=microbatch))
-        if not isinstance(reply[0], Opened):
-            raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
-
-    async def _open_hop(self, hop, sid, epoch, req, gen, sampling, nxt=None, microbatch=0) -> tuple[Channel, bool]:
-        """A session on a hop: its stream, and whether the hop sends its output on to `nxt` itself."""
-        try:
-            with trio.fail_after(OPEN_TIMEOUT):
-                stream = await self.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
-                channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch))
-                reply = await channel.receive(OPEN_TIMEOUT)
-        except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
-            raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
-        except Exception as exc:  # libp2p dial and negotiation errors
-            raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}") from None
-        if isinstance(reply, Error):
-            raise hop_error(hop.peer_id, reply)
-        if not isinstance(reply, Opened):
-            raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
-        return channel, reply.forwarding and nxt is not None

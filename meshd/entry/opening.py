@@ -1,0 +1,143 @@
+"""An entry's routes: planned from the end of its own layers, then opened, a session on this daemon and
+on every hop, for one `Attempt` to drive.
+
+Rules: every open has a deadline (OPEN_TIMEOUT). A hop that cannot open a session fails as `HopFailed`
+(the caller reroutes around it); this daemon refusing fails as `GenerationError` (`busy`: the caller
+waits). Each hop is told the next one, and passes its output on itself when forwarding is on; the
+entry's own outputs then go to the first hop over the service's shared link. Whatever was opened is
+released (the local session, a Close on every hop's stream) however the route ends, shielded from
+cancellation. The hop service, the mesh view and the stream opener are injected, so nothing here
+knows the `Entry` that uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import asynccontextmanager
+
+import trio
+
+from meshd.entry.attempt import Attempt, LinkErrors
+from meshd.entry.checks import Exclusions
+from meshd.entry.errors import GenerationError, HopFailed, hop_error
+from meshd.entry.microbatch import Microbatches
+from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around
+from meshd.entry.state import Generation, open_session
+from meshd.node.log import get_logger
+from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.wire import Close, Error, ErrorCode, Opened, WireError
+from meshd.wire.protocols import SHARD_PROTOCOL
+
+OPEN_TIMEOUT = 30.0  # the longest opening a session (dial, negotiation, answer) or the link to the first hop may take
+log = get_logger(__name__)
+
+
+class Routes:
+    """Plans and opens the routes of the generations that start on one loaded head range: its hop
+    `service` runs layers [0, `end`), `mesh` is the view routes are planned on, `open_stream` dials a
+    hop. `microbatch_use` and `exclusions` belong to the caller, who reads them too."""
+
+    def __init__(self, service, mesh, open_stream, *, end: int, model_fp: str, recipe_fp: str, forwarding: bool,
+                 microbatches: int, microbatch_use: Microbatches, exclusions: Exclusions) -> None:
+        self.service, self.mesh, self.open_stream, self.end = service, mesh, open_stream, end
+        self.model_fp, self.recipe_fp = model_fp, recipe_fp
+        self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
+        self.microbatches = microbatches  # spread generations over so many, at most one per daemon on the route
+        # (0: exactly one per daemon on the route)
+        self.microbatch_use, self.exclusions = microbatch_use, exclusions
+
+    def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset()) -> Route:
+        """A route from this entry's layers on, around the hops that failed, those that are full and
+        those excluded after a check; through peers in `avoid` only where no other serves the layers."""
+        coverage = self.mesh.coverage.serving()
+        links = link_latency(coverage.records, dict(self.mesh.latency))
+        excluded = self.exclusions.active(time.monotonic())
+        try:
+            route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
+                                         avoid)
+        except NoRoute as exc:
+            raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
+        if retried:
+            log.info("retrying a failed hop: no other covers its layers", hops=len(route.hops))
+        return route
+
+    @asynccontextmanager
+    async def open_route(self, route: Route, epoch: int, req, gen: Generation, sampling):
+        """An `Attempt` with a session open on this daemon and on every hop of `route`, its hops'
+        outputs moving (pumps, pings) while the caller drives it; every session released after."""
+        sid = os.urandom(16)
+        at = Attempt(self.service, gen, sid, epoch)
+        daemons = len(route.hops) + 1
+        microbatch = self.microbatch_use.take(min(self.microbatches, daemons) if self.microbatches else daemons)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._open_local(sid, epoch, req, gen, sampling, microbatch)
+                for i, hop in enumerate(route.hops):
+                    nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
+                    at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, gen, sampling, nxt,
+                                                                  microbatch))
+                if at.hops and self.forwarding:
+                    at.linked = await self._link_first_hop(at, route.hops[0])
+                for i, (peer, channel) in enumerate(at.hops):
+                    nxt = at.hops[i + 1] if i + 1 < len(at.hops) else None
+                    nursery.start_soon(at.pump, peer, channel, nxt)
+                if at.hops:
+                    nursery.start_soon(at.keepalive)
+                yield at
+                nursery.cancel_scope.cancel()
+        finally:
+            self.microbatch_use.give(microbatch)
+            with trio.CancelScope(shield=True):
+                await self.service.release((sid, epoch))
+                with trio.move_on_after(2.0):
+                    for _, channel in at.hops:
+                        try:
+                            await channel.send(Close(session_id=sid, epoch=epoch))
+                        except ChannelClosed:
+                            pass
+                        await channel.aclose()
+
+    def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0):
+        forward = nxt is not None and self.forwarding
+        return open_session(req.request_id, sid, epoch, start, end, self.model_fp, self.recipe_fp, gen.max_length,
+                            sampling, next_peer=nxt.peer_id if forward else "",
+                            next_addrs=" ".join(nxt.addrs) if forward else "", microbatch=microbatch)
+
+    async def _open_local(self, sid, epoch, req, gen, sampling, microbatch=0) -> None:
+        reply = await self.service.handle(self._open_msg(sid, epoch, 0, self.end, req, gen, sampling,
+                                                         microbatch=microbatch))
+        if not isinstance(reply[0], Opened):
+            raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
+
+    async def _open_hop(self, hop, sid, epoch, req, gen, sampling, nxt=None, microbatch=0) -> tuple[Channel, bool]:
+        """A session on a hop: its stream, and whether the hop sends its output on to `nxt` itself."""
+        try:
+            with trio.fail_after(OPEN_TIMEOUT):
+                stream = await self.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
+                channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch))
+                reply = await channel.receive(OPEN_TIMEOUT)
+        except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
+            raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
+        except Exception as exc:  # libp2p dial and negotiation errors
+            raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}") from None
+        if isinstance(reply, Error):
+            raise hop_error(hop.peer_id, reply)
+        if not isinstance(reply, Opened):
+            raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
+        return channel, reply.forwarding and nxt is not None
+
+    async def _link_first_hop(self, at: Attempt, hop: Hop) -> bool:
+        """Whether the entry's own outputs go to the first hop the way hops send theirs: with those of
+        the other generations of the same pass, as one frame on one link (see `meshd/hop/links.py`). A
+        link that breaks reports to the attempt, as an Error from the first hop (`LinkErrors`)."""
+        try:
+            with trio.fail_after(OPEN_TIMEOUT):
+                await self.service.forward_outputs((at.sid, at.epoch), hop.peer_id, hop.addrs,
+                                                   LinkErrors(at.tokens_send))
+        except Exception as exc:  # the session stream still works: send on it instead
+            log.info("no link to the first hop, sending on the session stream", peer=hop.peer_id[-8:],
+                     error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
