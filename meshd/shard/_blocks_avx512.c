@@ -1,12 +1,13 @@
-/* The 32-wide block types' matmuls on AVX-512 (F, BW, VL, DQ and VNNI), included by _blocks.c after
- * its AVX2 part, whose helpers (codes_avx2, scales_f16c, finish_avx2) it reuses.
+/* The block matmuls on AVX-512 (F, BW, VL, DQ and VNNI), included by _blocks.c after its AVX2 part,
+ * whose helpers (codes_avx2, scales_f16c, k4_scales_avx2, decode_k, finish_avx2) it reuses.
  *
  * The bits are the AVX2 path's: a 512-bit register holds two weight rows side by side, each half
  * computing exactly what one AVX2 register computes for its row (lane j of a row sums elements
  * 4j..4j+3 of every block as an exact integer, converts it and adds it with one fused multiply-add
  * by the same float scale; one fixed horizontal sum at the end). VNNI's vpdpbusd gives the integer
  * that maddubs + madd give, since no pair of products here reaches maddubs' int16 saturation
- * (|u| <= 128, |q| <= 127: 2 * 128 * 127 < 32768), and the int32 sums cannot overflow. A strip's rows that do not fill a pair go through
+ * (|u| <= 128, |q| <= 127: 2 * 128 * 127 < 32768), and the int32 sums cannot overflow. The K types
+ * keep AVX2's maddubs + madd with their integer scales, two rows at a time. A strip's rows that do not fill a pair go through
  * the AVX2 code, which gives the same bits. */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
@@ -223,6 +224,203 @@ AVX512 static void rows_avx512_strips(int qtype, const uint8_t *w, int64_t row_b
     free(sa);
     free(sb);
     if (whole < n1) rows_avx2_strips(qtype, w, row_bytes, whole, n1, n, xq, m, nb, y, accumulate);
+}
+
+/* ---- K types: superblock_k4, superblock_q6k and meet_k with a pair of rows a register ---- */
+
+/* Int16 `i` of each 128-bit lane of v in all eight int16 of that lane (SPREAD16, four lanes). */
+#define SPREAD16_512(v, i) _mm512_shuffle_epi8((v), _mm512_set1_epi16((short)(0x0100 + 0x0202 * (i))))
+
+AVX512 static inline __m512i pair_bcast128(__m128i lo, __m128i hi) {
+    return pair_si(_mm256_broadcastsi128_si256(lo), _mm256_broadcastsi128_si256(hi));
+}
+
+/* superblock_k4 for rows b0 and b1 (the same super-block of each), acc's halves theirs. */
+AVX512 static inline __attribute__((always_inline)) __m512
+superblock_k4_pair(const int qtype, const uint8_t *b0, const uint8_t *b1, const XKBlock *x, __m512i sums, __m512 acc) {
+    __m128i sm0 = k4_scales_avx2(b0), sm1 = k4_scales_avx2(b1);
+    const __m128i twice = _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512i scales = pair_bcast128(_mm_cvtepu8_epi16(sm0), _mm_cvtepu8_epi16(sm1));
+    __m512i mins = pair_si(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm0, twice)), _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm1, twice)));
+    __m512i low = _mm512_madd_epi16(mins, sums), dot = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0f);
+    __m512i bit4 = _mm512_set1_epi8(0x10);
+    __m512i hb = qtype == Q5_K ? pair_si(_mm256_loadu_si256((const __m256i *)(b0 + 16)), _mm256_loadu_si256((const __m256i *)(b1 + 16))) : m4;
+    const int at = qtype == Q5_K ? 48 : 16;
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        __m512i v = pair_si(_mm256_loadu_si256((const __m256i *)(b0 + at + 32 * p)),
+                            _mm256_loadu_si256((const __m256i *)(b1 + at + 32 * p)));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (qtype == Q5_K) {
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), bit4));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), bit4));
+            hb = _mm512_srli_epi16(hb, 2);
+        }
+        __m512i plo = _mm512_maddubs_epi16(lo, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + 64 * p))));
+        __m512i phi = _mm512_maddubs_epi16(hi, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + 64 * p + 32))));
+        dot = _mm512_add_epi32(dot, _mm512_madd_epi16(plo, SPREAD16_512(scales, 2 * p)));
+        dot = _mm512_add_epi32(dot, _mm512_madd_epi16(phi, SPREAD16_512(scales, 2 * p + 1)));
+    }
+    acc = _mm512_fmadd_ps(pair_ps(half_f16c(b0) * x->d, half_f16c(b1) * x->d), _mm512_cvtepi32_ps(dot), acc);
+    return _mm512_fmadd_ps(pair_ps(-(half_f16c(b0 + 2) * x->d), -(half_f16c(b1 + 2) * x->d)), _mm512_cvtepi32_ps(low), acc);
+}
+
+/* Q6_K's scale of 32-block t of a half: each row's low 16 elements take int16 2t of their lane's
+ * scales, the high 16 take 2t + 1 (superblock_q6k's pattern, per row). */
+AVX512 static inline __m512i q6k_pick(int t) {
+    return _mm512_broadcast_i64x4(_mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * t)),
+                                                   _mm_set1_epi16((short)(0x0100 + 0x0404 * t))));
+}
+
+/* superblock_q6k for rows b0 and b1. */
+AVX512 static inline __attribute__((always_inline)) __m512
+superblock_q6k_pair(const uint8_t *b0, const uint8_t *b1, const XKBlock *x, __m512i sums, __m512 acc) {
+    __m512i sc16 = pair_si(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b0 + 192))),
+                           _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b1 + 192))));
+    __m512i dot = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_madd_epi16(sc16, sums), 5));
+    __m512i m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m512i sv = pair_bcast128(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(b0 + 192 + 8 * h))),
+                                   _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(b1 + 192 + 8 * h))));
+        __m512i ql0 = pair_si(_mm256_loadu_si256((const __m256i *)(b0 + 64 * h)), _mm256_loadu_si256((const __m256i *)(b1 + 64 * h)));
+        __m512i ql1 = pair_si(_mm256_loadu_si256((const __m256i *)(b0 + 64 * h + 32)),
+                              _mm256_loadu_si256((const __m256i *)(b1 + 64 * h + 32)));
+        __m512i qh = pair_si(_mm256_loadu_si256((const __m256i *)(b0 + 128 + 32 * h)),
+                             _mm256_loadu_si256((const __m256i *)(b1 + 128 + 32 * h)));
+        __m512i u[4] = {
+            _mm512_or_si512(_mm512_and_si512(ql0, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), top)),
+            _mm512_or_si512(_mm512_and_si512(ql1, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), top)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), m4), _mm512_and_si512(qh, top)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), top)),
+        };
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m512i p = _mm512_maddubs_epi16(u[t], _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + 128 * h + 32 * t))));
+            __m512i pick = q6k_pick(t);
+            dot = _mm512_add_epi32(dot, _mm512_madd_epi16(p, _mm512_shuffle_epi8(sv, pick)));
+        }
+    }
+    return _mm512_fmadd_ps(pair_ps(half_f16c(b0 + 208) * x->d, half_f16c(b1 + 208) * x->d), _mm512_cvtepi32_ps(dot), acc);
+}
+
+/* One x row against a strip of STRIP weight rows (two pairs), a super-block at a time (strip_k's
+ * order and prefetch). */
+AVX512 static inline __attribute__((always_inline)) void
+strip_k_512(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1, const XKBlock *xr,
+            int64_t nsb, float *out, int accumulate) {
+    const int bb = block_bytes(qtype);
+    const float off[STRIP] = {0};
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const char *next = (const char *)(w + (c0 + STRIP) * row_bytes);
+    int64_t ahead = c0 + STRIP < n1 ? STRIP * row_bytes : 0, per = (STRIP * row_bytes + nsb - 1) / nsb;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m512i sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[sb].sums));
+        for (int64_t p = sb * per; p < (sb + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        for (int p = 0; p < 2; p++) {
+            const uint8_t *b0 = w + (c0 + 2 * p) * row_bytes + sb * bb, *b1 = b0 + row_bytes;
+            acc[p] = qtype == Q6_K ? superblock_q6k_pair(b0, b1, xr + sb, sums, acc[p])
+                                   : superblock_k4_pair(qtype, b0, b1, xr + sb, sums, acc[p]);
+        }
+    }
+    finish_pairs(acc, off, 2, out, accumulate);
+}
+
+/* A decoded K super-block of two rows: decode_k's codes, scales and mins side by side. */
+typedef struct {
+    __m512i u[8], sa, sb, extra;
+    float d[2], dmin[2];
+} KDec2;
+
+AVX512 static inline __attribute__((always_inline)) void decode_k_pair(const int qtype, const uint8_t *b0,
+                                                                       const uint8_t *b1, KDec2 *k) {
+    KDec r[2];
+    decode_k(qtype, b0, &r[0]);
+    decode_k(qtype, b1, &r[1]);
+    for (int j = 0; j < 8; j++) k->u[j] = pair_si(r[0].u[j], r[1].u[j]);
+    k->sa = pair_si(r[0].sa, r[1].sa);
+    k->sb = pair_si(r[0].sb, r[1].sb);
+    k->extra = pair_si(r[0].extra, r[1].extra);
+    for (int i = 0; i < 2; i++) {
+        k->d[i] = r[i].d;
+        k->dmin[i] = r[i].dmin;
+    }
+}
+
+/* meet_k for a pair. */
+AVX512 static inline __attribute__((always_inline)) __m512
+meet_k_pair(const int qtype, const KDec2 *k, const XKBlock *x, __m512i sums, __m512 acc) {
+    __m512i dot;
+    if (qtype == Q6_K) {
+        dot = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_madd_epi16(k->extra, sums), 5));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m512i p = _mm512_maddubs_epi16(k->u[j], _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + 32 * j))));
+            __m512i pick = q6k_pick(j & 3);
+            dot = _mm512_add_epi32(dot, _mm512_madd_epi16(p, _mm512_shuffle_epi8(j < 4 ? k->sa : k->sb, pick)));
+        }
+        return _mm512_fmadd_ps(pair_ps(k->d[0] * x->d, k->d[1] * x->d), _mm512_cvtepi32_ps(dot), acc);
+    }
+    dot = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m512i p = _mm512_maddubs_epi16(k->u[j], _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + 32 * j))));
+        dot = _mm512_add_epi32(dot, _mm512_madd_epi16(p, SPREAD16_512(k->sa, j)));
+    }
+    acc = _mm512_fmadd_ps(pair_ps(k->d[0] * x->d, k->d[1] * x->d), _mm512_cvtepi32_ps(dot), acc);
+    return _mm512_fmadd_ps(pair_ps(-(k->dmin[0] * x->d), -(k->dmin[1] * x->d)),
+                           _mm512_cvtepi32_ps(_mm512_madd_epi16(k->extra, sums)), acc);
+}
+
+AVX512 static inline __attribute__((always_inline)) void
+strip_meet_k_512(const int qtype, const KDec2 *dec, const XKBlock *xk, int64_t m, int64_t nsb, float *y, int64_t n,
+                 int accumulate) {
+    const float off[STRIP] = {0};
+    for (int64_t r = 0; r < m; r++) {
+        const XKBlock *xr = xk + r * nsb;
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            __m512i sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[sb].sums));
+            for (int p = 0; p < 2; p++) acc[p] = meet_k_pair(qtype, dec + sb * 2 + p, xr + sb, sums, acc[p]);
+        }
+        finish_pairs(acc, off, 2, y + r * n, accumulate);
+    }
+}
+
+#define K_512(QT)                                                                                           \
+    do {                                                                                                    \
+        if (strips) {                                                                                       \
+            for (int p = 0; p < 2; p++)                                                                     \
+                for (int64_t sb = 0; sb < nsb; sb++) {                                                      \
+                    const uint8_t *b0 = w + (c0 + 2 * p) * row_bytes + sb * block_bytes(QT);                \
+                    decode_k_pair(QT, b0, b0 + row_bytes, dec + sb * 2 + p);                                \
+                }                                                                                           \
+            strip_meet_k_512(QT, dec, xk, m, nsb, y + c0, n, accumulate);                                  \
+        } else {                                                                                            \
+            for (int64_t r = 0; r < m; r++)                                                                 \
+                strip_k_512(QT, w, row_bytes, c0, n1, xk + r * nsb, nsb, y + r * n + c0, accumulate);       \
+        }                                                                                                   \
+    } while (0)
+
+/* K types: whole strips in pairs (each x row alone below K_STRIPS_FROM rows, else decoded once and met
+ * by every x row), a last strip short of STRIP on AVX2. */
+AVX512 static void rows_avx512_k(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                 const XKBlock *xk, int64_t m, int64_t nsb, float *y, int accumulate) {
+    int strips = m >= K_STRIPS_FROM;
+    KDec2 *dec = strips ? aligned_alloc(64, (size_t)2 * nsb * sizeof(KDec2)) : NULL;
+    int64_t whole = n0 + (n1 - n0) / STRIP * STRIP;
+    if (strips && !dec) whole = n0;
+    for (int64_t c0 = n0; c0 < whole; c0 += STRIP) {
+        if (strips) prefetch_strip(w, row_bytes, c0 + STRIP, n1);
+        if (qtype == Q4_K) K_512(Q4_K);
+        else if (qtype == Q5_K) K_512(Q5_K);
+        else K_512(Q6_K);
+    }
+    free(dec);
+    if (whole < n1) {
+        if (strips) rows_avx2_k_strips(qtype, w, row_bytes, whole, n1, n, xk, m, nsb, y, accumulate);
+        else rows_avx2_k(qtype, w, row_bytes, whole, n1, n, xk, m, nsb, y, accumulate);
+    }
 }
 
 static void rows_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
