@@ -6,6 +6,7 @@ import pytest
 
 from meshd.dht.placement import largest_layer_bytes
 from meshd.node.settings import Settings, default_socket, load_settings
+from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import get_recipe
 
@@ -100,3 +101,17 @@ def test_speculation_settings_from_flag_environment_and_file(tmp_path):
         load_settings({}, environ={"MESHD_SPECULATE": "sometimes"}).speculate_on
     with pytest.raises(ValueError, match="--draft-max"):
         load_settings({"draft_max": -2}, environ={}).speculate_on
+
+
+@pytest.mark.skipif(blocks.KERNEL is None or blocks.isa() == "portable", reason="the kernel has one path here")
+def test_kernel_isa_caps_the_kernel_and_an_unknown_one_is_refused():
+    best = blocks.isa()
+    try:
+        Settings(kernel_isa="portable").configure()
+        assert blocks.isa() == "portable"
+        Settings(kernel_isa="avx512").configure()  # at most what the CPU has
+        assert blocks.isa() == best
+        with pytest.raises(ValueError, match="unknown instruction set"):
+            Settings(kernel_isa="avx3").configure()
+    finally:
+        blocks.limit_isa(best)

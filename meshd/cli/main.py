@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--stats", action="store_true", help="print timing as JSON on stderr")
     local.add_argument("--threads", type=int, default=0, help="threads for tensor work (default: one per core)")
     for cmd in (join, local):
+        cmd.add_argument("--kernel-isa", choices=["portable", "avx2", "avx512"], help="run the block kernel on at most"
+                         " this instruction set (default: the best the CPU has; they compute the same bits)")
         cmd.add_argument("--wire-encoding", choices=["raw", "zstd", "auto"], help="how hidden states travel between"
                          " shards: raw float32 (default), zstd, or auto (zstd where it saves a tenth)")
         cmd.add_argument("--chunk-tokens", type=int, help="prompt tokens per prefill chunk (default 128)")
@@ -139,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             from meshd.node.settings import load_settings
 
             # the settings of the parts below (wire, cache) as a daemon here has them: flags, MESHD_*, config file
-            load_settings({"wire_encoding": args.wire_encoding, "chunk_tokens": args.chunk_tokens},
+            load_settings({"wire_encoding": args.wire_encoding, "chunk_tokens": args.chunk_tokens,
+                           "kernel_isa": args.kernel_isa},
                           args.config if hasattr(args, "config") else None).configure()
             return run_local(args)
     except KeyboardInterrupt:

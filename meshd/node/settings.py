@@ -47,6 +47,7 @@ class Settings:
     socket: str = ""
     recipe: str = "auto"
     threads: int = 0  # torch threads for tensor work; 0: one per core
+    kernel_isa: str = ""  # the block kernel's instruction set at most (portable, avx2, avx512); empty: the CPU's best
     http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""
@@ -92,6 +93,10 @@ class Settings:
         from meshd import wire
         from meshd.shard.artifact import set_cache_dir
 
+        if self.kernel_isa:
+            from meshd.shard import blocks
+
+            blocks.limit_isa(self.kernel_isa)
         wire.set_default_encoding(self.wire_encoding)
         wire.set_chunk_tokens(self.chunk_tokens)
         set_cache_dir(self.cache_dir or default_cache_dir())

@@ -855,10 +855,11 @@ static int cpu_has_avx512(void) { return 0; }
  * process's cap (limit_isa: to measure one against another). */
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 static const char *ISA_NAMES[] = {"portable", "avx2", "avx512"};
-static int best_isa = -1;
+static int cpu_best = -1, best_isa = -1;
 
 static int cpu_isa(void) {
-    if (best_isa < 0) best_isa = cpu_has_avx2() ? (cpu_has_avx512() ? ISA_AVX512 : ISA_AVX2) : ISA_PORTABLE;
+    if (cpu_best < 0) cpu_best = cpu_has_avx2() ? (cpu_has_avx512() ? ISA_AVX512 : ISA_AVX2) : ISA_PORTABLE;
+    if (best_isa < 0) best_isa = cpu_best;
     return best_isa;
 }
 
@@ -1552,15 +1553,15 @@ static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
-/* limit_isa(name): the process's kernels run on at most this instruction set from now on */
+/* limit_isa(name): the process's kernels run on at most this instruction set (and the CPU's) from now on */
 static PyObject *py_limit_isa(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
-    int best = cpu_isa();
+    cpu_isa();
     for (int i = 0; i <= ISA_AVX512; i++)
         if (strcmp(name, ISA_NAMES[i]) == 0) {
-            if (i < best) best_isa = i;
+            best_isa = i < cpu_best ? i : cpu_best;
             Py_RETURN_NONE;
         }
     PyErr_Format(PyExc_ValueError, "limit_isa: unknown instruction set %s", name);

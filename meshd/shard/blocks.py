@@ -99,8 +99,9 @@ def isa() -> str:
 
 
 def limit_isa(name: str) -> None:
-    """Run this process's kernels on at most `name` (one of ISAS) from now on: benches compare the
-    instruction sets of one CPU with it (the bits are the same)."""
+    """Run this process's kernels on at most `name` (one of ISAS) and what the CPU has, from now on
+    (`limit_isa("avx512")` lifts an earlier limit): benches compare the instruction sets of one CPU
+    with it, an operator can pin one (the bits are the same)."""
     if name not in ISAS:
         raise ValueError(f"unknown instruction set {name!r}: one of {', '.join(ISAS)}")
     if KERNEL is not None:
