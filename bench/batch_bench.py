@@ -238,6 +238,8 @@ def kernel_isa() -> str:
     from meshd.shard import blocks
 
     try:
+        if os.environ.get("MESHD_KERNEL_ISA"):  # what the daemons' settings read too
+            blocks.limit_isa(os.environ["MESHD_KERNEL_ISA"])
         return blocks.isa()
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         return f"unavailable: {e}"

@@ -120,6 +120,8 @@ def machine_facts() -> dict:
     try:
         from meshd.shard import blocks
 
+        if os.environ.get("MESHD_KERNEL_ISA"):  # the daemons and workers below honour it too
+            blocks.limit_isa(os.environ["MESHD_KERNEL_ISA"])
         facts["meshd_kernel"] = blocks.isa()
     except Exception as e:  # noqa: BLE001
         facts["meshd_kernel"] = f"unavailable: {e}"

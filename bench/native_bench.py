@@ -67,6 +67,8 @@ def worker_meshd(model: str, name: str, prompts: list[list[int]], n: int, refs: 
     art = open_artifact(model)
     recipe = get_recipe("exact" if name == "exact" else "native")
     blocks.divide_threads(2, recipe)  # as a daemon does: the block kernel's pool, or torch's
+    if os.environ.get("MESHD_KERNEL_ISA"):  # as a daemon's --kernel-isa does
+        blocks.limit_isa(os.environ["MESHD_KERNEL_ISA"])
     t0 = time.perf_counter()
     layers = art.config.n_layers
     bounds = thirds(layers) if name == "native_split" else [(0, layers)]
