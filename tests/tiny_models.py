@@ -71,7 +71,7 @@ def _write_rope(w: gguf.GGUFWriter, put, c) -> None:
     elif kind == "llama3":
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         put("rope_freqs.weight", llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
-    elif kind != "default":
+    elif kind != "default" and kind != "longrope":  # longrope: written by the Phi-3 writer
         raise ValueError(f"llama.cpp's converter has no GGUF form for rope {kind!r}")
 
 
@@ -353,3 +353,46 @@ def _finish(w: gguf.GGUFWriter) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def tiny_phi3(seed: int = 0, longrope: bool = True, original: int = 64):
+    """A Phi-3 (fused qkv_proj and gate_up_proj); with `longrope`, the scaling of Phi-3-mini-128k: its own
+    short and long factors per frequency, a context of 256 over a pretraining context of `original`."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [float(f) for f in rng.uniform(1.0, 2.5, 8)],
+            "long_factor": [float(f) for f in rng.uniform(2.0, 8.0, 8)]} if longrope else {"rope_theta": 10000.0}
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     original_max_position_embeddings=original, rms_norm_eps=1e-5, initializer_range=0.15,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_parameters=rope)
+    return Phi3ForCausalLM(cfg).eval()
+
+
+def write_phi3_gguf(model, path: Path, qtype=None) -> Path:
+    """As llama.cpp's converter writes a Phi-3: arch `phi3`, the fused tensors kept fused (`attn_qkv`,
+    `ffn_up` holding gate then up), no Q/K permutation, longrope as the two factor tensors with
+    `rope.scaling.attn_factor` and the pretraining context."""
+    w, put, sd, c = _decoder_gguf(model, path, "phi3", qtype)
+    rope = c.rope_parameters
+    w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_sliding_window(c.sliding_window or 0)
+    if rope.get("long_factor"):
+        scale = c.max_position_embeddings / c.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        put("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        put("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"], True)
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], True)
+        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"], True)
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], True)
+    _finish(w)
+    return path

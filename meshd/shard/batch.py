@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from meshd.shard import rope
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
 from meshd.shard.rows import Rows
 
@@ -44,6 +45,8 @@ def run_jobs(shard, jobs: list[tuple]) -> list[torch.Tensor | Exception]:
                 seen.add(key)
                 first, last = shard.session_range(key)
                 h = layer_input(shard, x, first, position)  # checked first: refused input keeps no session alive
+                if position + h.shape[1] > shard.max_positions:  # named before the KV's own length check
+                    raise rope.past_context(shard.config.rope_scaling, position + h.shape[1], shard.max_positions)
                 kv = shard.kv.get(key)
                 kv.reserve(position, h.shape[1])
                 groups.setdefault((first, last), []).append((i, kv, h, position, kind))

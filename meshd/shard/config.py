@@ -12,10 +12,14 @@ from meshd.shard import rope
 from meshd.shard.rope import RopeScaling
 
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "qwen3": "qwen3",
-             "qwen3moe": "qwen3", "gemma3": "gemma3"}  # GGUF `llama` with experts is Mixtral (family mixtral)
+             "qwen3moe": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}  # GGUF `llama` with experts is Mixtral (family mixtral)
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
             "GPT2LMHeadModel": "gpt2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3",
-            "MixtralForCausalLM": "mixtral", "Gemma3ForCausalLM": "gemma3"}
+            "MixtralForCausalLM": "mixtral", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+# Phi3Config's defaults: config.json leaves out what equals them, and transformers' Phi3Config always has an
+# original_max_position_embeddings, which wins over the rope dict's
+PHI3_DEFAULTS = {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                 "bos_token_id": 1, "eos_token_id": 32000, "vocab_size": 32064}
 DEFAULT_THETA = {"MixtralForCausalLM": 1e6}  # transformers' default where config.json names none (else 1e4)
 # GGUF MoE keys that change the routing, with the value meshd computes (softmax gating, weights unscaled)
 MOE_NEUTRAL = {"expert_gating_func": 1, "expert_weights_scale": 1.0, "expert_shared_count": 0}
@@ -94,13 +98,16 @@ class ModelConfig:
         eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
         head_dim = int(g("attention.key_length", hidden // n_heads))
         scaling = rope.from_gguf(md, arch, tensor_names, head_dim) if family != "gpt2" else RopeScaling()
+        _longrope_phi3_only(scaling, family)
+        max_positions = rope.context(scaling, int(g("context_length", 2048)))
+        if family == "phi3" and g("attention.sliding_window"):
+            max_positions = min(max_positions, int(g("attention.sliding_window")))  # as for Mistral below
         cfg = cls(
             arch=arch, family=family, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
             n_kv_heads=int(g("attention.head_count_kv", n_heads)),
             head_dim=head_dim, ffn=int(g("feed_forward_length")), vocab=int(vocab), norm_eps=float(g(eps_key, 1e-5)),
             rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
-            max_positions=int(g("context_length", 2048)),
-            tie_embeddings="output.weight" not in tensor_names,
+            max_positions=max_positions, tie_embeddings="output.weight" not in tensor_names,
             attn_bias="blk.0.attn_q.bias" in tensor_names or family == "gpt2",
             bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
             eos_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
@@ -135,14 +142,18 @@ class ModelConfig:
                        norm_eps=c.get("layer_norm_epsilon", 1e-5), max_positions=c.get("n_positions", 1024),
                        tie_embeddings=c.get("tie_word_embeddings", True), attn_bias=True,
                        bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
+        if family == "phi3":
+            c = _phi3_config(c)
         if c.get("use_sliding_window"):
             raise UnsupportedArchitecture("sliding-window attention is not supported yet")
         n_heads = c["num_attention_heads"]
         max_positions = c.get("max_position_embeddings", 2048)
         scaling = rope.from_hf(c, max_positions)
-        if archs[0] in ("MistralForCausalLM", "MixtralForCausalLM") and c.get("sliding_window"):
+        _longrope_phi3_only(scaling, family)
+        if archs[0] in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and c.get("sliding_window"):
             # transformers masks keys more than a window back; within one window that is full attention
             max_positions = min(max_positions, int(c["sliding_window"]))
+        max_positions = rope.context(scaling, max_positions)
         # transformers: the rope dict's theta before the top-level one
         theta = (rope.hf_parameters(c).get("rope_theta") or c.get("rope_theta")
                  or DEFAULT_THETA.get(archs[0], 10000.0))
@@ -159,6 +170,25 @@ class ModelConfig:
                    experts_per_token=c.get("num_experts_per_tok") or 0,
                    expert_ffn=moe_ffn, norm_topk=bool(c.get("norm_topk_prob", True)),
                    dense_layers=tuple(c.get("mlp_only_layers") or ()), sparse_step=c.get("decoder_sparse_step") or 1)
+
+
+def _longrope_phi3_only(scaling: RopeScaling, family: str) -> None:
+    """longrope is proven equal to transformers on Phi-3 (tests/test_phi3.py) and nowhere else yet."""
+    if scaling.kind == "longrope" and family != "phi3":
+        raise UnsupportedArchitecture(f"rope scaling 'longrope' is supported for Phi-3 only, not family {family!r}")
+
+
+def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
+    """A Phi-3 config.json as transformers' Phi3Config reads it: its defaults under what the file says.
+    Phi3Config renames rope types 'su' and 'yarn' to 'longrope' (after moving the pretraining context into
+    the rope dict only for 'yarn'); such spellings are refused rather than read twice ways."""
+    c = {**PHI3_DEFAULTS, **c}
+    kind = (c.get("rope_scaling") or c.get("rope_parameters") or {}).get("rope_type") or \
+        (c.get("rope_scaling") or c.get("rope_parameters") or {}).get("type")
+    if kind in ("su", "yarn"):
+        raise UnsupportedArchitecture(f"Phi-3 rope scaling {kind!r} (which transformers reads as 'longrope') is not"
+                                      " supported; spell it 'longrope'")
+    return c
 
 
 def _opt_int(v) -> int | None:

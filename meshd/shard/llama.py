@@ -135,7 +135,11 @@ class Rotary:
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self.cos, self.signed_sin)}
 
     def cover(self, end: int) -> None:
-        """Make the tables reach position `end` (doubling, at most the model's context)."""
+        """Make the tables reach position `end` (doubling, at most the model's context); past the
+        context, refuse (`rope.PastContext`) rather than rotate with tables that do not reach."""
+        if end > self.max_positions:
+            raise rope.past_context(getattr(self._args[0], "rope_scaling", None) or rope.RopeScaling(), end,
+                                    self.max_positions)
         have = self.cos.shape[0]
         if have < end <= self.max_positions:
             self._build(min(self.max_positions, max(end, 2 * have)))

@@ -1,12 +1,25 @@
 """RoPE scaling: which inverse frequencies a model's rotary embeddings use, read from its config, for every adapter.
 
 Rules: the frequencies are computed as transformers' `modeling_rope_utils` computes them (float32, the same
-operations in the same order, so the tables carry the reference's bits) for `default`, `linear`, `llama3` and
-`yarn`. A GGUF file from llama.cpp's converter spells `llama3` as a `rope_freqs.weight` tensor and no
-`rope.scaling.type` key: ggml divides each base frequency by its factor, and so does meshd; every hop that runs
-attention holds that tensor. Whatever else changes the math is refused by name, never guessed: `dynamic` NTK
-(its frequencies follow the running length, so keys cached at one length would be rotated for another),
-`longrope`, partial rotary dimensions, per-layer-type parameters, keys this module does not compute.
+operations in the same order, so the tables carry the reference's bits) for `default`, `linear`, `llama3`,
+`yarn` and the short half of `longrope`. A GGUF file from llama.cpp's converter spells `llama3` as a
+`rope_freqs.weight` tensor and no `rope.scaling.type` key: ggml divides each base frequency by its factor, and
+so does meshd; every hop that runs attention holds that tensor. It spells `longrope` (Phi-3) as two tensors,
+`rope_factors_short.weight` and `rope_factors_long.weight`, with the attention factor in
+`rope.scaling.attn_factor`.
+
+`longrope` is computed for the positions below `original_max_position_embeddings` only, and a model so
+scaled offers that many positions as its context. Why: transformers picks the short or the long factors for
+a whole forward call from that call's largest position (`longrope_frequency_update`), and once a generated
+sequence first passes the pretraining length Phi-3's `prepare_inputs_for_generation` throws the KV cache
+away and recomputes every earlier position with the long factors. A key cached at position 10 thus carries
+different bits at sequence length 4000 than at 5000; a per-position KV cache split over hops cannot follow
+that without recomputing the whole prefix on every hop. Below the switch the short factors hold for every
+position and call, and meshd computes them exactly; past it, it refuses (`PastContext`), naming why.
+
+Whatever else changes the math is refused by name, never guessed: `dynamic` NTK (its frequencies follow the
+running length, so keys cached at one length would be rotated for another), partial rotary dimensions,
+per-layer-type parameters, keys this module does not compute.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FREQ_FACTORS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.x)
+SHORT_FACTORS, LONG_FACTORS = "rope_factors_short.weight", "rope_factors_long.weight"  # longrope (Phi-3)
 # in the recipe fingerprint of every scaled model (`ModelConfig.adapter`): bumped whenever the tables change
 # for a file whose bytes did not (1: a GGUF's rope_freqs.weight is read; before, it was ignored and such
 # files ran with plain RoPE), so peers that read the same file differently never share a route. Within
@@ -38,7 +52,8 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range to whole dimensions
-    freq_factors: str | None = None  # freq_factors: the tensor that holds the divisors
+    freq_factors: str | None = None  # freq_factors: the tensor that holds the divisors; longrope: the short ones
+    short_factor: tuple[float, ...] = ()  # longrope from an HF config (a GGUF file holds them in `freq_factors`)
 
     @property
     def tag(self) -> str:
@@ -48,8 +63,29 @@ class RopeScaling:
         fields = {"linear": ("factor",), "freq_factors": ("freq_factors",),
                   "llama3": ("factor", "original_context", "low_freq_factor", "high_freq_factor"),
                   "yarn": ("factor", "original_context", "beta_fast", "beta_slow", "attention_factor", "mscale",
-                           "mscale_all_dim", "truncate")}[self.kind]
+                           "mscale_all_dim", "truncate"),
+                  "longrope": ("factor", "original_context", "attention_factor", "freq_factors", "short_factor")
+                  }[self.kind]
         return f"{self.kind}(" + ",".join(f"{f}={getattr(self, f)!r}" for f in fields) + ")"
+
+
+class PastContext(ValueError):
+    """A forward asked for positions past what this model's rotary tables compute."""
+
+
+def context(scaling: RopeScaling, max_positions: int) -> int:
+    """The positions a model offers: its own context, or for `longrope` the part the short factors rotate."""
+    return min(max_positions, scaling.original_context) if scaling.kind == "longrope" else max_positions
+
+
+def past_context(scaling: RopeScaling, end: int, limit: int) -> PastContext:
+    """The refusal for a forward that reaches position `end - 1` where `limit` positions are computed."""
+    if scaling.kind == "longrope" and limit >= scaling.original_context:
+        return PastContext(f"position {end - 1} is past {scaling.original_context}, this longrope model's pretraining"
+                           " context: transformers rotates every position of a longer sequence with the long factors"
+                           " (recomputing the whole cache when a generation crosses it), which a per-position KV"
+                           " cache cannot follow; meshd computes the short factors only")
+    return PastContext(f"position {end - 1} is past the model's context ({limit} positions)")
 
 
 def _refuse(message: str):
@@ -62,7 +98,9 @@ def _refuse(message: str):
 _HF_KEYS = {"default": set(), "linear": {"factor"},
             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
             "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                     "mscale", "mscale_all_dim", "truncate"}}
+                     "mscale", "mscale_all_dim", "truncate"},
+            "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                         "attention_factor"}}
 
 
 def hf_parameters(c: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +129,7 @@ def from_hf(c: dict[str, Any], max_positions: int) -> RopeScaling:
     if kind == "default":
         return RopeScaling()
     factor = params.get("factor")
-    if kind in ("llama3", "yarn"):
+    if kind in ("llama3", "yarn", "longrope"):
         # transformers: a top-level original_max_position_embeddings wins, else the dict's, else the context
         original = c["original_max_position_embeddings"] if "original_max_position_embeddings" in c else \
             params.get("original_max_position_embeddings", max_positions)
@@ -103,6 +141,12 @@ def from_hf(c: dict[str, Any], max_positions: int) -> RopeScaling:
                            high_freq_factor=_number(params.get("high_freq_factor"), "high_freq_factor"))
     if factor is None:  # transformers: the ratio of the contexts
         factor = max_positions / original
+    if kind == "longrope":
+        short = params.get("short_factor")
+        if not isinstance(short, list) or not all(isinstance(f, (int, float)) for f in short):
+            _refuse(f"rope scaling 'longrope' needs a list of numbers for short_factor, got {short!r}")
+        return longrope(float(factor), int(original), _opt_float(params.get("attention_factor")),
+                        short_factor=tuple(float(f) for f in short))
     return RopeScaling("yarn", factor=float(factor), original_context=int(original),
                        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                        attention_factor=_opt_float(params.get("attention_factor")),
@@ -117,20 +161,54 @@ _GGUF_NEUTRAL = {"rope.scaling.attn_factor": 1.0, "rope.scaling.yarn_ext_factor"
                  "rope.scaling.yarn_attn_factor": None, "rope.dimension_sections": None}
 
 
+def longrope(factor: float, original: int, attention: float | None, **factors) -> RopeScaling:
+    """`longrope` as transformers reads it: the attention factor, where none is given, from the ratio of the
+    contexts (sqrt(1 + ln(factor) / ln(original)) past 1, else 1)."""
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor=factor, original_context=original, attention_factor=attention, **factors)
+
+
+def _gguf_longrope(g, arch: str, tensor_names: set[str]) -> RopeScaling:
+    """llama.cpp's form of `longrope`: both factor tensors, the pretraining context, and the attention factor
+    its converter computed from the contexts (checked against transformers' formula, then recomputed in
+    float64 as transformers does: the key holds it rounded to float32)."""
+    if SHORT_FACTORS not in tensor_names or LONG_FACTORS not in tensor_names:
+        _refuse(f"longrope needs both {SHORT_FACTORS} and {LONG_FACTORS}")
+    original = g("rope.scaling.original_context_length")
+    if original is None:
+        _refuse(f"{LONG_FACTORS} and {SHORT_FACTORS} without {arch}.rope.scaling.original_context_length")
+    scaling = longrope(int(g("context_length")) / int(original), int(original), None, freq_factors=SHORT_FACTORS)
+    stored = g("rope.scaling.attn_factor")
+    if stored is not None and abs(float(stored) - scaling.attention_factor) > 1e-6 * scaling.attention_factor:
+        _refuse(f"GGUF key {arch}.rope.scaling.attn_factor = {stored!r} is not longrope's"
+                f" {scaling.attention_factor!r} for these contexts; meshd does not compute it")
+    return scaling
+
+
 def from_gguf(md: dict[str, Any], arch: str, tensor_names: set[str], head_dim: int) -> RopeScaling:
     """The scaling a GGUF file carries, in the keys and tensors llama.cpp's converter writes."""
     g = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
     kind = g("rope.scaling.type") or "none"
+    factored = bool({SHORT_FACTORS, LONG_FACTORS} & tensor_names)
     for key, neutral in _GGUF_NEUTRAL.items():
+        if factored and key == "rope.scaling.attn_factor":
+            continue  # longrope's, checked below
         if g(key) is not None and (neutral is None or float(g(key)) != neutral):
             _refuse(f"GGUF key {arch}.{key} = {g(key)!r} changes RoPE in a way meshd does not compute")
     dims = g("rope.dimension_count")
     if dims is not None and int(dims) != head_dim:
         _refuse(f"partial rotary embeddings ({arch}.rope.dimension_count = {dims}, head dim {head_dim})"
                 " are not supported")
-    extra = sorted(n for n in tensor_names if (n.startswith("rope_") or ".rope_" in n) and n != FREQ_FACTORS)
+    known = {FREQ_FACTORS, SHORT_FACTORS, LONG_FACTORS}
+    extra = sorted(n for n in tensor_names if (n.startswith("rope_") or ".rope_" in n) and n not in known)
     if extra:
         _refuse(f"RoPE tensors {extra} are not supported")
+    if factored:
+        if kind != "none" or FREQ_FACTORS in tensor_names:
+            _refuse(f"longrope's factor tensors together with rope scaling {kind!r} or {FREQ_FACTORS}"
+                    " are not supported")
+        return _gguf_longrope(g, arch, tensor_names)
     has_factors = FREQ_FACTORS in tensor_names
     if has_factors and kind != "none":
         _refuse(f"{FREQ_FACTORS} together with rope scaling {kind!r} is not supported")
@@ -169,6 +247,8 @@ def inverse_frequencies(scaling: RopeScaling, theta: float, dim: int, freq_facto
         return inv_freq / factors, 1.0
     if scaling.kind == "llama3":
         return _llama3(scaling, inv_freq), 1.0
+    if scaling.kind == "longrope":
+        return _longrope_short(scaling, base, dim, freq_factors), scaling.attention_factor
     _refuse(f"rope scaling {scaling.kind!r} is not supported")
 
 
@@ -183,6 +263,18 @@ def _llama3(s: RopeScaling, inv_freq):
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled  # between: a blend
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _longrope_short(s: RopeScaling, base: float, dim: int, freq_factors=None):
+    """longrope's frequencies for sequences within the pretraining context: the base ones divided by the short
+    factors, in transformers' order (1 / (factor * base^(2i/d)), not base^(-2i/d) / factor)."""
+    import torch
+
+    ext = torch.tensor(s.short_factor, dtype=torch.float32) if freq_factors is None else \
+        torch.as_tensor(freq_factors, dtype=torch.float32).reshape(-1)
+    if ext.numel() != dim // 2:
+        _refuse(f"longrope's short factors number {ext.numel()}, the head has {dim // 2} frequencies")
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def _yarn(s: RopeScaling, base: float, dim: int):

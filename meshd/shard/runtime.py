@@ -16,7 +16,7 @@ from typing import Hashable
 import torch
 
 from meshd.node.log import get_logger
-from meshd.shard import gemma3, gpt2, llama, mixtral, qwen3, rope
+from meshd.shard import gemma3, gpt2, llama, mixtral, phi3, qwen3, rope
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
 from meshd.shard.batch import PASS, run_jobs
@@ -32,7 +32,7 @@ class Owns:
     lm_head: bool  # ...and the LM head, and returns logits
 
 
-FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3}
+FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3, "phi3": phi3}
 DEFAULT_KV_BUDGET = 1 << 30
 log = get_logger(__name__)
 
