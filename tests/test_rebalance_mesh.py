@@ -80,7 +80,8 @@ def test_a_move_lets_the_running_generation_finish_on_the_old_range():
         a, b, c = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--threads", "1"])
         m = mesh.start("m", ["--layers", "auto", "--num-layers", "10", "--threads", "1", "--bootstrap", a.addr])
         assert m.wait_serving()["range"] == [0, 10]  # the least-served window, earliest
-        args = ["generate", "--max-tokens", "600", "--ignore-eos", "Once upon a time"]
+        # long enough to outlast the drain and the move on a fast CPU (600 tokens ended first with AVX-512)
+        args = ["generate", "--max-tokens", "2500", "--ignore-eos", "Once upon a time"]
         solo = ctl(m.socket, args, timeout=300)
         assert solo.returncode == 0, solo.stderr
         running = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(m.socket), *args],
