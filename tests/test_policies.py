@@ -59,6 +59,19 @@ def test_no_route_without_busy_hops_is_not_waited_on():
     assert gone.value.code == ErrorCode.NO_ROUTE
 
 
+
+def test_no_route_refreshes_the_view_once_then_fails():
+    r = Retries(deadline=30.0)
+    no_route = GenerationError(ErrorCode.NO_ROUTE, "layers 5:10")
+    assert r.refresh_first(no_route)  # a record may have lapsed between two republishes: look again
+    assert not r.refresh_first(no_route)  # once only: then it is not waited on
+    with pytest.raises(GenerationError):
+        r.after_refusal(no_route, now=0.0)
+    full = Retries(deadline=30.0, busy={"A"})  # full hops are waited on instead, not refreshed for
+    assert not full.refresh_first(no_route)
+    assert not Retries(deadline=30.0).refresh_first(GenerationError(ErrorCode.BUSY, "own layers full"))
+
+
 # --- the route fallback -------------------------------------------------------------------------
 
 def test_a_route_avoids_failed_and_busy_hops_while_others_cover_their_layers():

@@ -132,6 +132,10 @@ class Entry:
                 retries.after_failure(exc)  # raises when the generation must give up
                 gen.reroutes = retries.reroutes
             except GenerationError as exc:
+                if retries.refresh_first(exc):
+                    log.info("no route in this daemon's view: refreshing it once", error=str(exc))
+                    await self.mesh.refresh()
+                    continue
                 await trio.sleep(retries.after_refusal(exc, trio.current_time()))  # raises past the deadline
         stats = gen.stats()
         if gen.check is not None and gen.check.ran:

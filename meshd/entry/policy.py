@@ -30,6 +30,16 @@ class Retries:
     failures: int = 0
     epoch: int = 0
     reroutes: int = 0
+    refreshed: bool = False
+
+    def refresh_first(self, exc: GenerationError) -> bool:
+        """No route and no hop said busy: whether to rebuild the mesh view and plan again before
+        giving up (once a generation: a record that lapsed between two republishes of a live peer
+        must not fail it; a layer nobody serves still fails, one refresh later)."""
+        if exc.code != ErrorCode.NO_ROUTE or self.busy or self.refreshed:
+            return False
+        self.refreshed = True
+        return True
 
     def after_failure(self, exc: HopFailed) -> None:
         """A hop failed or is full: the next attempt plans without it (at once)."""
