@@ -49,6 +49,19 @@ def reference():
     return {N: local_text(N), 200: local_text(200)}
 
 
+def checked_until_disagreement(e, expected: str, tries: int = 6) -> dict:
+    """Checked generations until one disagrees (each must give `expected`); its stats. Which two of
+    three servers of a range a check takes is the planner's choice (by latency): two honest ones
+    agree, so this repeats until the liar is on one of them (about 2 in 3 a try)."""
+    for _ in range(tries):
+        code, text, stats, err = generate(e, "--verify")
+        assert code == 0, err
+        assert text == expected
+        if stats["disagreements"]:
+            break
+    return stats
+
+
 def test_a_liar_is_caught_excluded_and_routed_around(reference):
     m = Mesh(env={"MESHD_RECORD_TTL": "30"})
     try:
@@ -70,14 +83,7 @@ def test_a_liar_is_caught_excluded_and_routed_around(reference):
         h2 = m.start("h2", ["--layers", "10:20", *boot])
         h2.wait_serving()
         peers_seen(e, 4)
-        # which two of the three servers a checked generation takes is the planner's choice (by latency):
-        # two honest ones agree, so generate until the liar is on one of them (2 in 3 a try, about)
-        for _ in range(6):
-            code, text, stats, err = generate(e, "--verify")
-            assert code == 0, err
-            assert text == reference[N]
-            if stats["disagreements"]:
-                break
+        stats = checked_until_disagreement(e, reference[N])
         assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id]
         assert stats["diverged_layers"] == [[10, 20]]  # located by the hops' sketches
         assert stats["checked"] and not stats["verified"] and stats["unchecked_layers"] == [[20, 30]]
@@ -130,14 +136,7 @@ def test_a_tail_that_lies_mid_generation_is_caught_the_same_way(reference):
         liar = m.start("tl", ["--layers", "20:30", *boot], wrap=liar_wrap(from_position=10))
         peers_seen(e, 4)
         liar_id = liar.wait_serving()["peer_id"]
-        # which two of the three servers a checked generation takes is the planner's choice (by latency):
-        # two honest ones agree, so generate until the liar is on one of them (2 in 3 a try, about)
-        for _ in range(6):
-            code, text, stats, err = generate(e, "--verify")
-            assert code == 0, err
-            assert text == reference[N]
-            if stats["disagreements"]:
-                break
+        stats = checked_until_disagreement(e, reference[N])
         assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id]
         assert stats["diverged_layers"] == [[20, 30]]
         assert stats["unchecked_layers"] == [[10, 20]] and not stats["verified"]

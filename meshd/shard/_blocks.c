@@ -11,8 +11,9 @@
  * - Every output is summed in one fixed order, whatever M, the rows' place in the batch, the number of
  *   threads or the instruction set: per output, eight float lanes accumulate the blocks in K order
  *   (lane j holds elements 4j..4j+3 of every block: exact integer sums, then one fused multiply-add
- *   each), then one fixed horizontal sum, then the offset term. The AVX2 path and the portable path
- *   compute the same bits (tested), so peers on different CPUs agree and a batch equals its rows alone.
+ *   each), then one fixed horizontal sum, then the offset term. The AVX-512 path (_blocks_avx512.c),
+ *   the AVX2 path and the portable path compute the same bits (tested), so peers on different CPUs
+ *   agree and a batch equals its rows alone.
  * - Activations: per row and block of 32 (K types: of 256), d = max|x| / 127, q = nearbyint(x * (1 / d))
  *   in [-127, 127], and s = d * sum(q) (for the weight's per-block offset; K types: the sums of q per
  *   16). Part of the recipe: it changes the numbers.

@@ -60,38 +60,6 @@ AVX512 static inline void finish_pairs(const __m512 *acc, const float *off, int 
     }
 }
 
-/* One x row against 2 * PAIRS weight rows, each block decoded where it is met (strip_direct's
- * order, prefetch included). */
-AVX512 static inline __attribute__((always_inline)) void
-strip_direct_512(const int qtype, const int pairs, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1,
-                 const XBlock *xr, int64_t nb, float *out, int accumulate) {
-    const int sgn = signed_codes(qtype), rows = 2 * pairs;
-    __m512 acc[4];
-    float off[8];
-    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
-    for (int i = 0; i < rows; i++) off[i] = 0.0f;
-    const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
-    int64_t ahead = c0 + 8 * STRIP < n1 ? rows * row_bytes : 0, per = (rows * row_bytes + nb - 1) / nb;
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[b].q)), bias = bias_vnni(sgn, q);
-        float xd = xr[b].d, xs = xr[b].s;
-        for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
-        for (int p = 0; p < pairs; p++) {
-            const uint8_t *r0 = w + (c0 + 2 * p) * row_bytes, *r1 = r0 + row_bytes;
-            float a0, a1, o0, o1;
-            scales_f16c(qtype, r0, b, &a0, &o0);
-            scales_f16c(qtype, r1, b, &a1, &o1);
-            __m512 s = _mm512_cvtepi32_ps(dot_vnni(sgn, flip_signed(sgn, codes_pair(qtype, r0, r1, b)), q, bias));
-            acc[p] = _mm512_fmadd_ps(pair_ps(a0 * xd, a1 * xd), s, acc[p]);
-            if (!sgn) {
-                off[2 * p] = fmaf(o0, xs, off[2 * p]);
-                off[2 * p + 1] = fmaf(o1, xs, off[2 * p + 1]);
-            }
-        }
-    }
-    finish_pairs(acc, off, pairs, out, accumulate);
-}
-
 /* Eight rows' block-b scales at once: their first four bytes gathered (a half d, and Q4_1 / Q5_1's
  * half m after it), all sixteen halves converted as F16C converts one. Lane 2i is row i's d, lane
  * 2i + 1 its m (junk for the types without one: their offset is d times -8 or -16, exactly). */
@@ -99,8 +67,9 @@ AVX512 static inline __attribute__((always_inline)) __m512 heads8(const uint8_t 
     return _mm512_cvtph_ps(_mm256_i32gather_epi32((const int *)blk, rows_at, 1));
 }
 
-/* One x row against eight weight rows: strip_direct_512's sums with the scales of all eight rows
- * converted, multiplied and added as vectors (each lane the same rounding as the scalar steps). */
+/* One x row against eight weight rows, each block decoded where it is met (strip_direct's order and
+ * prefetch), the scales of all eight converted, multiplied and added as vectors (each lane the same
+ * rounding as the scalar steps). */
 AVX512 static inline __attribute__((always_inline)) void
 strip8_direct_512(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1, const XBlock *xr,
                   int64_t nb, float *out, int accumulate) {
@@ -140,12 +109,12 @@ strip8_direct_512(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t 
 #define DIRECT_512(QT)                                                                                      \
     do {                                                                                                    \
         if (rows == 2 * STRIP) strip8_direct_512(QT, w, row_bytes, c0, n1, xr, nb, out, accumulate);          \
-        else if (rows == STRIP) strip_direct_512(QT, STRIP / 2, w, row_bytes, c0, n1, xr, nb, out, accumulate); \
+        else if (rows == STRIP) strip_direct(QT, STRIP, w, row_bytes, c0, n1, xr, nb, out, accumulate);       \
         else strip_direct(QT, rows, w, row_bytes, c0, n1, xr, nb, out, accumulate);                        \
     } while (0)
 
-/* Few x rows (decode): eight weight rows at a time where there are eight, then four, then the rest
- * on AVX2. */
+/* Few x rows (decode): eight weight rows at a time where there are eight; a part's last four or fewer
+ * on AVX2 (the same bits). */
 AVX512 static void rows_avx512_direct(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1,
                                       int64_t n, const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     for (int64_t c0 = n0; c0 < n1;) {

@@ -119,12 +119,12 @@ class Rotary:
     def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None,
                  first: int = TABLE_START) -> None:
         self._args, self.max_positions = (cfg, freq_factors), max_positions
+        self.scaling = getattr(cfg, "rope_scaling", None) or rope.RopeScaling()
         self._build(min(max_positions, first))
 
     def _build(self, positions: int) -> None:
         cfg, freq_factors = self._args
-        scaling = getattr(cfg, "rope_scaling", None) or rope.RopeScaling()
-        inv_freq, attention = rope.inverse_frequencies(scaling, cfg.rope_theta, cfg.head_dim, freq_factors)
+        inv_freq, attention = rope.inverse_frequencies(self.scaling, cfg.rope_theta, cfg.head_dim, freq_factors)
         pos = torch.arange(positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -138,10 +138,9 @@ class Rotary:
         """Make the tables reach position `end` (doubling, at most the model's context); past the
         context, refuse (`rope.PastContext`) rather than rotate with tables that do not reach."""
         if end > self.max_positions:
-            raise rope.past_context(getattr(self._args[0], "rope_scaling", None) or rope.RopeScaling(), end,
-                                    self.max_positions)
+            raise rope.past_context(self.scaling, end, self.max_positions)
         have = self.cos.shape[0]
-        if have < end <= self.max_positions:
+        if have < end:
             self._build(min(self.max_positions, max(end, 2 * have)))
 
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
