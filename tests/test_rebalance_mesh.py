@@ -78,7 +78,10 @@ def test_a_move_lets_the_running_generation_finish_on_the_old_range():
     mesh = Mesh(env=ENV)
     try:
         a, b, c = mesh.start_chain([(0, 10), (10, 20), (20, 30)], extra=["--threads", "1"])
-        m = mesh.start("m", ["--layers", "auto", "--num-layers", "10", "--threads", "1", "--bootstrap", a.addr])
+        # the old range waits up to --drain-timeout for its sessions: far more than this generation takes
+        # anywhere (2500 tokens outlasted the default 30 s on a slow CI machine)
+        m = mesh.start("m", ["--layers", "auto", "--num-layers", "10", "--threads", "1", "--drain-timeout", "300",
+                             "--bootstrap", a.addr])
         assert m.wait_serving()["range"] == [0, 10]  # the least-served window, earliest
         # long enough to outlast the drain and the move on a fast CPU (600 tokens ended first with AVX-512)
         args = ["generate", "--max-tokens", "2500", "--ignore-eos", "Once upon a time"]

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--busy-wait", type=float, help="seconds a generation waits for room in a full mesh"
                       " before failing with 'mesh busy' (default 30)")
     join.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds running generations get to"
-                      " finish before the daemon exits (default 30; a second SIGTERM exits at once)")
+                      " finish before the daemon exits (default 30; a second SIGTERM exits at once); after a move,"
+                      " seconds they get to finish on the old range before it is freed")
     join.add_argument("--ledger-days", type=float, help="days the work ledger (ledger.sqlite3 in the state directory)"
                       " keeps one row per generation and session before folding them into daily totals per peer"
                       " (default 30; 0: keep no ledger)")

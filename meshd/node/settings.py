@@ -56,7 +56,7 @@ class Settings:
     max_sessions: int = 64  # sessions this daemon holds at once; more are answered `busy`
     max_queue: int = 1024  # forward frames waiting for a pass; more are answered `busy`
     busy_wait: float = 30.0  # seconds an entry waits for room in a full mesh before "mesh busy"
-    drain_timeout: float = 30.0  # on SIGTERM: seconds running generations get to finish before the exit
+    drain_timeout: float = 30.0  # seconds running generations get to finish: on SIGTERM; on a move's old range
     move_cooldown: float = 60.0  # with --layers auto: seconds after a move before this daemon moves again
     gather_ms: float = 0.0  # a pass waits this long for frames due from other sessions (0: starts at once)
     forwarding: int = 1  # 1: hops pass hidden states to the next hop; 0: the entry relays every hop's output
