@@ -178,7 +178,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--sessions", default="1,4,8,16")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per daemon (3 daemons share the box)")
+    ap.add_argument("--threads", type=int, default=0, help="threads for tensor work per daemon (0, default: the"
+                    " daemon's own default, one per core; the kernel's threads take each other's share when preempted)")
     ap.add_argument("--modes", default="forward,relay", help="forward, relay, gather (forward, waiting"
                     " --gather-ms before a pass when other sessions' frames are due)")
     ap.add_argument("--gather-ms", type=float, default=2.0)
@@ -210,7 +211,7 @@ def main() -> None:
                         parse_split(split), cpus, int(microbatches), args.cpu_share, spec)
     where = f" pinned {args.pin}" if cpus else " shared"
     print(f"3 daemons on loopback, SmolLM2 native, {args.tokens} new tokens a session,"
-          f" {args.threads} torch thread(s) each, {os.cpu_count()} cores{where}"
+          f" {args.threads or 'one per core:'} thread(s) each, {os.cpu_count()} cores{where}"
           + (f", each daemon capped at {args.cpu_share:g} cores" if args.cpu_share else ""))
     print(f"{'mode, split, microbatches (mb)':36} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8}"
           f" {'p95 ms':>8} {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10} {'clients':>7}"
