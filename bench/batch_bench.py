@@ -211,7 +211,7 @@ def main() -> None:
                         parse_split(split), cpus, int(microbatches), args.cpu_share, spec)
     where = f" pinned {args.pin}" if cpus else " shared"
     print(f"3 daemons on loopback, SmolLM2 native, {args.tokens} new tokens a session,"
-          f" {args.threads or 'one per core:'} thread(s) each, {os.cpu_count()} cores{where}"
+          f" {f'{args.threads} thread(s)' if args.threads else 'threads one per core'} each, {os.cpu_count()} cores{where}"
           + (f", each daemon capped at {args.cpu_share:g} cores" if args.cpu_share else ""))
     print(f"{'mode, split, microbatches (mb)':36} {'sessions':>8} {'agg tok/s':>10} {'x 1 session':>11} {'p50 ms':>8}"
           f" {'p95 ms':>8} {'p95 x solo':>10} {'TTFT s':>7} {'CPU ms/tok':>10} {'clients':>7}"

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--recipe", choices=RECIPE_CHOICES,
                       help="auto (default: native for a quantized GGUF, else exact), native, exact or compact")
     join.add_argument("--threads", type=int, help="threads for tensor work (default: one per core; lower it when"
-                                                  " daemons share a machine)")
+                                                  " daemons on the exact recipe share a machine: torch's threads"
+                                                  " spin; the native kernel's take a preempted thread's share)")
     join.add_argument("--http", help="serve the OpenAI-compatible API and /metrics on HOST:PORT (off by default;"
                                      " 127.0.0.1:8080 keeps it on this machine)")
     join.add_argument("--http-token", help="bearer token HTTP clients must send")

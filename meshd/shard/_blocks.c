@@ -908,9 +908,6 @@ static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
  * between layers a few microseconds pass; longer waits (the network, sampling) are not worth a core
  * spinning, least of all on a box that several daemons share */
 static const double SPIN_S = 50e-6;
-/* parts a job is cut into, per thread: more would balance finer, but every part's start costs its
- * stream of weights a ramp of the prefetcher (2 a thread: 2-4% slower on 30 layers' matmuls, 4: 12%) */
-enum { PARTS_PER_THREAD = 1 };
 
 static double now_s(void) {
     struct timespec t;
@@ -1023,15 +1020,16 @@ static int ensure_pool(int threads) {
 
 static void run_job(const Job *j, int threads) {
     pthread_mutex_lock(&call_lock); /* one job at a time: the pool has one job slot */
-    job = *j;
     threads = threads > 1 ? ensure_pool(threads) : 1;
     if (threads == 1) {
-        job.parts = 1;
-        job.fn(job.ctx, 0, 1);
+        j->fn(j->ctx, 0, 1);
         pthread_mutex_unlock(&call_lock);
         return;
     }
-    int parts = threads * PARTS_PER_THREAD;
+    /* one part a thread: finer parts would balance better, but each part's start costs its stream of
+     * weights a prefetcher ramp (two a thread: 2-4% slower over 30 layers' cold matmuls; four: 12%) */
+    int parts = threads;
+    job = *j;
     job.parts = parts;
     atomic_store_explicit(&job_done, 0, memory_order_relaxed);
     unsigned gen = atomic_load_explicit(&job_gen, memory_order_relaxed) + 1; /* only callers write it */
