@@ -105,9 +105,10 @@ def test_a_full_mesh_answers_busy_and_stays_up():
         long = [start(["--socket", str(a.socket)], PROMPTS[0], 2000) for _ in range(3)]
         try:
             # the entry counts a session held before it places its generation in a microbatch: wait for both
-            a.wait_for(lambda s: s["sessions"] == 3 and sum(s["microbatches"]) == 3, timeout=60,
-                       what="three sessions held, each in a microbatch")
-            assert sorted(a.status()["microbatches"]) == [1, 2]  # spread over two microbatches (the default)
+            # spread over two microbatches (the default); waited for as one reading, since a generation
+            # whose hop answered busy for a moment gives its microbatch back until its next try
+            a.wait_for(lambda s: s["sessions"] == 3 and sorted(s["microbatches"]) == [1, 2], timeout=60,
+                       what="three sessions held, spread over two microbatches")
             r = httpx.post(a.status()["http"][0] + "/v1/completions", timeout=30,
                            json={"prompt": "Hi", "max_tokens": 4})
             assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text

@@ -1,5 +1,8 @@
 """Daemons as real processes on loopback: joining, signed coverage, auto layers, failure, shutdown."""
 
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -44,6 +47,27 @@ def test_auto_join_completes_coverage_then_a_killed_daemon_shows_as_a_gap(mesh):
     # asking for text now is a clear no-route error naming the layers
     out = ctl(a.socket, ["generate", "--max-tokens", "4", "hello"])
     assert out.returncode == 4 and "[22, 30)" in out.stderr and out.stdout == ""
+
+
+def test_a_generation_waits_for_a_live_hop_whose_record_lapsed(mesh):
+    """A hop's republish can come late (a loaded box, a slow link): a generation that finds its layers
+    uncovered while their record lapsed only lately waits for it instead of failing with "no route"."""
+    a, b, _ = mesh.start_chain([(0, 10), (10, 20), (20, 30)])
+    reference = ctl(a.socket, ["generate", "--max-tokens", "8", "--ignore-eos", "hello"])
+    assert reference.returncode == 0, reference.stderr
+    b.proc.send_signal(signal.SIGSTOP)  # frozen: it republishes nothing, its connections stay open
+    try:
+        a.wait_for(lambda s: s["gaps"] == [[10, 20]], timeout=GAP_BOUND_S + 10, what="b's record lapsed")
+        late = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "generate",
+                                 "--max-tokens", "8", "--ignore-eos", "hello"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)  # the generation is waiting for b: it has not failed
+        assert late.poll() is None, late.communicate()
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    out, err = late.communicate(timeout=120)
+    assert late.returncode == 0 and out == reference.stdout, err + a.tail()
+    assert "waiting for its republish" in a.log_path.read_text()
 
 
 def test_sigterm_stops_cleanly_and_leaves_no_socket(mesh):

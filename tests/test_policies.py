@@ -72,6 +72,20 @@ def test_no_route_refreshes_the_view_once_then_fails():
     assert not Retries(deadline=30.0).refresh_first(GenerationError(ErrorCode.BUSY, "own layers full"))
 
 
+def test_no_route_while_a_lapsed_record_served_the_layers_is_waited_on_for_one_ttl():
+    no_route = GenerationError(ErrorCode.NO_ROUTE, "layers 10:20")
+    r = Retries(deadline=30.0, lapse_wait_s=9.0)
+    assert r.wait_for_lapsed(no_route, {"B"}, now=100.0) == 1.0  # B's republish came late: look again in 1 s
+    assert r.wait_for_lapsed(no_route, {"B"}, now=108.5) == 0.5  # the window counts from the first wait
+    assert r.wait_for_lapsed(no_route, {"B"}, now=109.0) is None  # a TTL later B is gone: the next rules decide
+    assert Retries(deadline=30.0).wait_for_lapsed(no_route, set(), now=0.0) is None  # nobody lapsed: no wait
+    failed = Retries(deadline=30.0, failed={"B"})  # B failed this generation: its lapse is its death
+    assert failed.wait_for_lapsed(no_route, {"B"}, now=0.0) is None
+    assert failed.wait_for_lapsed(no_route, {"B", "C"}, now=0.0) == 1.0
+    assert Retries(deadline=30.0, busy={"A"}).wait_for_lapsed(no_route, {"B"}, now=0.0) is None  # busy: waited on
+    assert Retries(deadline=30.0).wait_for_lapsed(GenerationError(ErrorCode.BUSY, "full"), {"B"}, now=0.0) is None
+
+
 # --- the route fallback -------------------------------------------------------------------------
 
 def test_a_route_avoids_failed_and_busy_hops_while_others_cover_their_layers():

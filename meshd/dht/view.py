@@ -39,6 +39,7 @@ class MeshView:
         self.host, self.dht, self.key_pair = host, dht, key_pair
         self.record, self.ttl_s = record, ttl_s
         self.known: dict[str, CoverageRecord] = {}
+        self.lapsed: dict[str, CoverageRecord] = {}  # records that expired in the last TTL, by peer
         self.latency: dict[str, float] = {}  # moving average of a record round trip per peer, seconds
         self.coverage = CoverageMap.build(record.n_layers, [record])
         self.walker: KadWalker = getattr(dht, "walker", None) or KadWalker(host, dht)
@@ -126,6 +127,7 @@ class MeshView:
                 old = self.known.get(pid)
                 if old is None or rec.seq >= old.seq:
                     self.known[pid] = rec
+                    self.lapsed.pop(pid, None)
                     self._rebuild()
                     if rec.relay_addrs and (old is None or old.relay_addrs != rec.relay_addrs):
                         self._note_circuits(rec)
@@ -152,8 +154,22 @@ class MeshView:
             if rec.expired(now):
                 del self.known[pid]
                 self.latency.pop(pid, None)
+                self.lapsed[pid] = rec
+        for pid, rec in list(self.lapsed.items()):
+            if now - rec.expires_at > self.ttl_s:
+                del self.lapsed[pid]
         self._rebuild(now)
         return self.coverage
+
+    def lapsed_serving(self, start: int) -> set[str]:
+        """Peers whose serving records of layers past `start` lapsed within the last TTL (neither
+        withdrawn nor leaving): a live peer's late republish (a loaded box, a slow link), which a
+        generation finding no route waits for. A dead peer cannot be told apart here (py-libp2p 0.8.1
+        keeps listing a peer whose host closed as connected): the wait is bounded by the TTL."""
+        now = time.time()
+        lapsed = [*self.lapsed.values(), *(r for r in self.known.values() if r.expired(now))]
+        return {r.peer_id for r in lapsed
+                if r.serving and not r.leaving and r.end > start and now - r.expires_at <= self.ttl_s}
 
     def _note_circuits(self, rec: CoverageRecord) -> None:
         """Keep a peer's circuit addresses in the peerstore, so the DHT's answers about it carry them

@@ -107,7 +107,8 @@ class Entry:
 
     async def _generate(self, req: GenerateRequest, gen: Generation, sampling, emit: Emit) -> dict:
         text = TextStream(self.tokenizer)
-        retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s)
+        retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s,
+                          lapse_wait_s=self.mesh.ttl_s)
         disagreed: RoutesDisagree | None = None  # two routes' tokens differed: a third route must settle it
         while True:
             try:
@@ -132,6 +133,13 @@ class Entry:
                 retries.after_failure(exc)  # raises when the generation must give up
                 gen.reroutes = retries.reroutes
             except GenerationError as exc:
+                wait = retries.wait_for_lapsed(exc, self.mesh.lapsed_serving(self.end), trio.current_time())
+                if wait is not None:
+                    log.info("no route while a record that served it lapsed: waiting for its republish",
+                             error=str(exc), wait_s=round(wait, 2))
+                    await trio.sleep(wait)
+                    await self.mesh.refresh()
+                    continue
                 if retries.refresh_first(exc):
                     log.info("no route in this daemon's view: refreshing it once", error=str(exc))
                     await self.mesh.refresh()

@@ -13,6 +13,7 @@ MAX_ATTEMPTS = 3  # routes tried after hop failures (busy hops do not count)
 BUSY_WAIT_S = 30.0  # how long a generation waits for a full mesh before "mesh busy"
 LOAD_WEIGHT_S = 0.1  # an entry whose KV is all in use ranks as if 100 ms further away
 UNMEASURED_S = 0.05  # the latency assumed for an entry never measured
+LAPSE_POLL_S = 1.0  # how often a generation waiting on a lapsed record looks at the mesh again
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Retries:
     epoch: int = 0
     reroutes: int = 0
     refreshed: bool = False
+    lapse_wait_s: float = 9.0  # how long after the first "no route" a lapsed record is waited for (one TTL)
+    lapse_deadline: float | None = None
 
     def refresh_first(self, exc: GenerationError) -> bool:
         """No route and no hop said busy: whether to rebuild the mesh view and plan again before
@@ -40,6 +43,19 @@ class Retries:
             return False
         self.refreshed = True
         return True
+
+    def wait_for_lapsed(self, exc: GenerationError, lapsed: set[str], now: float) -> float | None:
+        """No route and no hop said busy, while `lapsed` peers (whose records lapsed lately, not
+        withdrawn) served the missing layers: the seconds to wait before looking again, or None when
+        not to wait. A live peer whose republish came late (a loaded box, a slow link) is back within a
+        TTL; a peer this generation saw fail is not waited for, nor is any once `lapse_wait_s` passed
+        since the first wait."""
+        if exc.code != ErrorCode.NO_ROUTE or self.busy or not (lapsed - self.failed):
+            return None
+        if self.lapse_deadline is None:
+            self.lapse_deadline = now + self.lapse_wait_s
+        left = self.lapse_deadline - now
+        return min(LAPSE_POLL_S, left) if left > 0 else None
 
     def after_failure(self, exc: HopFailed) -> None:
         """A hop failed or is full: the next attempt plans without it (at once)."""

@@ -42,9 +42,13 @@ class FakeMesh:
         self.peer_id = own.peer_id
         self.latency = dict(latency or {})
         self.published: list[dict] = []
+        self.lapsed: set[str] = set()  # peers whose records lapsed lately (set by a test)
 
     async def refresh(self) -> CoverageMap:
         return self.coverage
+
+    def lapsed_serving(self, start: int) -> set[str]:
+        return set(self.lapsed)
 
     async def publish(self, **changes) -> None:
         self.published.append(changes)
