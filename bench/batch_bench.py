@@ -67,8 +67,8 @@ def one(socket, prompt: str, tokens: int, out: list) -> None:
         conn.send(GenerateRequest(request_id=new_request_id(), prompt=prompt, max_tokens=tokens, ignore_eos=True))
         while True:
             event = conn.receive(600)
-            if event.kind == "text":
-                arrivals.append(time.perf_counter())
+            if event.kind == "text":  # the tokens its text holds so far (a token may add no text)
+                arrivals.append((time.perf_counter(), event.stats.get("tokens", len(arrivals) + 1)))
             elif event.kind == "done":
                 stats = dict(event.stats)
                 break
@@ -77,6 +77,18 @@ def one(socket, prompt: str, tokens: int, out: list) -> None:
     finally:
         conn.close()
     out.append((t0, arrivals, stats))
+
+
+def per_token_gaps(streams: list[list[tuple[float, int]]]) -> list[float]:
+    """The time between tokens, sorted, from each stream's (arrival, tokens so far) text events: a text
+    that brings k tokens (those before it added none) counts k gaps of a k-th of its wait each, as
+    llama.cpp's column times each token's step."""
+    gaps = []
+    for arr in streams:
+        for (t0, n0), (t1, n1) in zip(arr, arr[1:]):
+            k = max(1, n1 - n0)
+            gaps += [(t1 - t0) / k] * k
+    return sorted(gaps)
 
 
 def run_level(entry, n: int, tokens: int) -> dict:
@@ -91,8 +103,7 @@ def run_level(entry, n: int, tokens: int) -> dict:
     wall = time.perf_counter() - t0
     if len(results) != n:
         raise RuntimeError(f"{n - len(results)} generations failed")
-    gaps = [b - a for _, arr, _ in results for a, b in zip(arr, arr[1:])]
-    gaps.sort()
+    gaps = per_token_gaps([arr for _, arr, _ in results])
     produced = sum(s["tokens"] for _, _, s in results)
     return {"sessions": n, "aggregate_tok_s": produced / wall, "wall_s": wall,
             "p50_ms": 1000 * statistics.median(gaps), "p95_ms": 1000 * gaps[int(0.95 * (len(gaps) - 1))],

@@ -63,6 +63,27 @@ async def test_metrics_record_each_generation_through_the_front_door():
     assert failed["outcome"] == "cancelled" and "Hello" not in json.dumps(metrics.recent.entries())
 
 
+async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():
+    class Daemon:
+        def status(self):
+            return {}
+
+    metrics = Metrics(Daemon())
+
+    async def run(req, emit):  # the second text holds tokens 2 to 4 (tokens 2 and 3 added no text)
+        await emit(StreamEvent(request_id=1, kind="text", text="He", stats={"tokens": 1, "prompt_tokens": 3}))
+        await emit(StreamEvent(request_id=1, kind="text", text="llo", stats={"tokens": 4}))
+        await emit(StreamEvent(request_id=1, kind="text", text="!"))  # from an entry that does not say: one
+        return {"tokens": 5}
+
+    async def emit(event):
+        pass
+
+    await metrics.observe_generation(run, None, emit)
+    counts = {s.name: s.value for h in (metrics.token_latency, metrics.ttft) for m in h.collect() for s in m.samples}
+    assert counts["meshd_token_latency_seconds_count"] == 4 and counts["meshd_time_to_first_token_seconds_count"] == 1
+
+
 def test_the_page_loads_only_its_own_files():
     html = dashboard.asset("/")[0].decode()
     js = dashboard.asset("/dashboard.js")[0].decode()

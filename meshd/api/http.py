@@ -116,7 +116,7 @@ class HttpApi:
         stats: dict = {"tokens": 0}
 
         async def emit(event: StreamEvent) -> None:
-            stats["tokens"] += 1
+            stats["tokens"] = event.stats.get("tokens", stats["tokens"] + 1)  # a text may hold several tokens
             if "prompt_tokens" in event.stats:
                 stats["prompt_tokens"] = event.stats["prompt_tokens"]
             piece = scanner.push(event.text)

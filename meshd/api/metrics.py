@@ -60,14 +60,19 @@ class Metrics:
     async def observe_generation(self, run, req, emit) -> dict:
         """Run `run(req, emit)` (one generation), counting it and timing its stream."""
         self.started.inc()
-        t0, last, first, texts = time.perf_counter(), None, None, 0
+        t0, last, first, streamed = time.perf_counter(), None, None, 0
 
         async def timed(event: StreamEvent) -> None:
-            nonlocal last, first, texts
-            if event.kind == "text":
-                now, texts = time.perf_counter(), texts + 1
-                (self.ttft if last is None else self.token_latency).observe(now - (t0 if last is None else last))
-                first, last = first or now - t0, now
+            nonlocal last, first, streamed
+            if event.kind == "text":  # its text holds the tokens so far: those before it may have added none
+                now, tokens = time.perf_counter(), event.stats.get("tokens", streamed + 1)
+                if last is None:
+                    self.ttft.observe(now - t0)
+                else:  # k tokens came with this text: k gaps of a k-th of the wait each
+                    k = max(1, tokens - streamed)
+                    for _ in range(k):
+                        self.token_latency.observe((now - last) / k)
+                first, last, streamed = first or now - t0, now, tokens
             await emit(event)
 
         try:
@@ -75,7 +80,7 @@ class Metrics:
         except BaseException as exc:
             ended = ended_normally(exc)  # e.g. the HTTP API cut the answer at a stop sequence
             code = getattr(exc, "code", None)
-            self.recent.record({"tokens": texts}, "ok" if ended else str(code or "cancelled"), first,
+            self.recent.record({"tokens": streamed}, "ok" if ended else str(code or "cancelled"), first,
                                time.perf_counter() - t0)
             if ended:
                 self.finished.inc()

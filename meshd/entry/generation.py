@@ -218,9 +218,10 @@ class Entry:
         """Send a generated token's text to the client. Not cancelled half-way by a hop failing
         meanwhile: the token counts as generated, and a reroute does not send its text again."""
         piece = text.push(token)
-        if piece:  # the first text also says how long the prompt was (for usage counts)
-            first = {"prompt_tokens": len(gen.ids)} if not gen.emitted else {}
+        gen.streamed += 1
+        if piece:  # how many tokens the text so far holds; the first text also how long the prompt was
+            stats = {"tokens": gen.streamed} | ({"prompt_tokens": len(gen.ids)} if not gen.emitted else {})
             gen.emitted = True
             with trio.CancelScope(shield=True):
                 await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token,
-                                       stats=first))
+                                       stats=stats))

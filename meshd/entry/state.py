@@ -39,6 +39,7 @@ class Generation:
     local_s: float = 0.0  # time in the entry's own layers
     wait_s: float = 0.0  # time waiting for the rest of the route
     emitted: bool = False  # some text has reached the client
+    streamed: int = 0  # tokens whose text went to the client (a token may add none: its text comes with a later one)
     drafts: Drafts | None = None  # speculation: where the drafts come from (None: plain decoding)
     drafted: int = 0  # draft tokens sent down the route
     accepted_drafts: int = 0  # of those, accepted by the tail
