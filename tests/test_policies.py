@@ -63,27 +63,28 @@ def test_no_route_without_busy_hops_is_not_waited_on():
 def test_no_route_refreshes_the_view_once_then_fails():
     r = Retries(deadline=30.0)
     no_route = GenerationError(ErrorCode.NO_ROUTE, "layers 5:10")
-    assert r.refresh_first(no_route)  # a record may have lapsed between two republishes: look again
-    assert not r.refresh_first(no_route)  # once only: then it is not waited on
+    assert r.look_again(no_route, set(), now=0.0) == 0.0  # a record may not have reached this view: look again
+    assert r.look_again(no_route, set(), now=0.0) is None  # once only: then it is not waited on
     with pytest.raises(GenerationError):
         r.after_refusal(no_route, now=0.0)
     full = Retries(deadline=30.0, busy={"A"})  # full hops are waited on instead, not refreshed for
-    assert not full.refresh_first(no_route)
-    assert not Retries(deadline=30.0).refresh_first(GenerationError(ErrorCode.BUSY, "own layers full"))
+    assert full.look_again(no_route, set(), now=0.0) is None
+    assert Retries(deadline=30.0).look_again(GenerationError(ErrorCode.BUSY, "own layers full"), set(), 0.0) is None
 
 
 def test_no_route_while_a_lapsed_record_served_the_layers_is_waited_on_for_one_ttl():
     no_route = GenerationError(ErrorCode.NO_ROUTE, "layers 10:20")
     r = Retries(deadline=30.0, lapse_wait_s=9.0)
-    assert r.wait_for_lapsed(no_route, {"B"}, now=100.0) == 1.0  # B's republish came late: look again in 1 s
-    assert r.wait_for_lapsed(no_route, {"B"}, now=108.5) == 0.5  # the window counts from the first wait
-    assert r.wait_for_lapsed(no_route, {"B"}, now=109.0) is None  # a TTL later B is gone: the next rules decide
-    assert Retries(deadline=30.0).wait_for_lapsed(no_route, set(), now=0.0) is None  # nobody lapsed: no wait
+    assert r.look_again(no_route, {"B"}, now=100.0) == 1.0  # B's republish came late: look again in 1 s
+    assert r.look_again(no_route, {"B"}, now=108.5) == 0.5  # the window counts from the first wait
+    assert r.look_again(no_route, {"B"}, now=109.0) == 0.0  # a TTL later B is gone: the one refresh left
+    assert r.look_again(no_route, {"B"}, now=110.0) is None  # then it fails
+    assert Retries(deadline=30.0).look_again(no_route, set(), now=0.0) == 0.0  # nobody lapsed: no wait
     failed = Retries(deadline=30.0, failed={"B"})  # B failed this generation: its lapse is its death
-    assert failed.wait_for_lapsed(no_route, {"B"}, now=0.0) is None
-    assert failed.wait_for_lapsed(no_route, {"B", "C"}, now=0.0) == 1.0
-    assert Retries(deadline=30.0, busy={"A"}).wait_for_lapsed(no_route, {"B"}, now=0.0) is None  # busy: waited on
-    assert Retries(deadline=30.0).wait_for_lapsed(GenerationError(ErrorCode.BUSY, "full"), {"B"}, now=0.0) is None
+    assert failed.look_again(no_route, {"B"}, now=0.0) == 0.0
+    assert Retries(deadline=30.0, failed={"B"}).look_again(no_route, {"B", "C"}, now=0.0) == 1.0
+    assert Retries(deadline=30.0, busy={"A"}).look_again(no_route, {"B"}, now=0.0) is None  # busy: waited on
+    assert Retries(deadline=30.0).look_again(GenerationError(ErrorCode.BUSY, "full"), {"B"}, now=0.0) is None
 
 
 # --- the route fallback -------------------------------------------------------------------------

@@ -133,15 +133,12 @@ class Entry:
                 retries.after_failure(exc)  # raises when the generation must give up
                 gen.reroutes = retries.reroutes
             except GenerationError as exc:
-                wait = retries.wait_for_lapsed(exc, self.mesh.lapsed_serving(self.end), trio.current_time())
-                if wait is not None:
-                    log.info("no route while a record that served it lapsed: waiting for its republish",
-                             error=str(exc), wait_s=round(wait, 2))
+                wait = retries.look_again(exc, self.mesh.lapsed_serving(self.end), trio.current_time())
+                if wait is not None:  # a record may have lapsed, or never reached this view: look again
+                    log.info("no route while a record that served it lapsed: waiting for its republish" if wait
+                             else "no route in this daemon's view: refreshing it once", error=str(exc),
+                             wait_s=round(wait, 2))
                     await trio.sleep(wait)
-                    await self.mesh.refresh()
-                    continue
-                if retries.refresh_first(exc):
-                    log.info("no route in this daemon's view: refreshing it once", error=str(exc))
                     await self.mesh.refresh()
                     continue
                 await trio.sleep(retries.after_refusal(exc, trio.current_time()))  # raises past the deadline

@@ -35,27 +35,24 @@ class Retries:
     lapse_wait_s: float = 9.0  # how long after the first "no route" a lapsed record is waited for (one TTL)
     lapse_deadline: float | None = None
 
-    def refresh_first(self, exc: GenerationError) -> bool:
-        """No route and no hop said busy: whether to rebuild the mesh view and plan again before
-        giving up (once a generation: a record that lapsed between two republishes of a live peer
-        must not fail it; a layer nobody serves still fails, one refresh later)."""
-        if exc.code != ErrorCode.NO_ROUTE or self.busy or self.refreshed:
-            return False
-        self.refreshed = True
-        return True
-
-    def wait_for_lapsed(self, exc: GenerationError, lapsed: set[str], now: float) -> float | None:
-        """No route and no hop said busy, while `lapsed` peers (whose records lapsed lately, not
-        withdrawn) served the missing layers: the seconds to wait before looking again, or None when
-        not to wait. A live peer whose republish came late (a loaded box, a slow link) is back within a
-        TTL; a peer this generation saw fail is not waited for, nor is any once `lapse_wait_s` passed
-        since the first wait."""
-        if exc.code != ErrorCode.NO_ROUTE or self.busy or not (lapsed - self.failed):
+    def look_again(self, exc: GenerationError, lapsed: set[str], now: float) -> float | None:
+        """No route and no hop said busy: the seconds to wait before refreshing the mesh view and
+        planning again, or None to give up. While `lapsed` peers (whose serving records of the missing
+        layers lapsed lately) may republish, every LAPSE_POLL_S up to `lapse_wait_s` from the first
+        wait: a live peer's republish that came late (a loaded box, a slow link) must not fail the
+        generation, and a peer this generation saw fail is not waited for. Then one refresh at once,
+        once a generation (a record this view never read); a layer nobody serves fails after it."""
+        if exc.code != ErrorCode.NO_ROUTE or self.busy:
             return None
-        if self.lapse_deadline is None:
-            self.lapse_deadline = now + self.lapse_wait_s
-        left = self.lapse_deadline - now
-        return min(LAPSE_POLL_S, left) if left > 0 else None
+        if lapsed - self.failed:
+            if self.lapse_deadline is None:
+                self.lapse_deadline = now + self.lapse_wait_s
+            if self.lapse_deadline > now:
+                return min(LAPSE_POLL_S, self.lapse_deadline - now)
+        if self.refreshed:
+            return None
+        self.refreshed = True
+        return 0.0
 
     def after_failure(self, exc: HopFailed) -> None:
         """A hop failed or is full: the next attempt plans without it (at once)."""

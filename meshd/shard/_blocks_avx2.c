@@ -135,24 +135,18 @@ strips_meet(const int sgn, const __m256i *codes, const float *sa, const float *s
         for (int64_t b = 0; b < nb; b++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
             float xd = xr[b].d, xs = xr[b].s;
-            if (rows == STRIP) {
-                /* a whole strip's four scales (sa[i] * xd) and offsets (off[i] = fmaf(sb[i], xs, off[i]))
-                 * at once: the same roundings, fewer instructions */
-                float scale[STRIP];
-                _mm_storeu_ps(scale, _mm_mul_ps(_mm_loadu_ps(sa + STRIP * b), _mm_set1_ps(xd)));
-                for (int i = 0; i < STRIP; i++) {
-                    __m256 sum = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[b * STRIP + i], q));
-                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[i]), sum, acc[i]);
-                }
-                if (!sgn) off4 = _mm_fmadd_ps(_mm_loadu_ps(sb + STRIP * b), _mm_set1_ps(xs), off4);
-                continue;
-            }
+            /* a whole strip's four scales (sa[i] * xd) and offsets (off[i] = fmaf(sb[i], xs, off[i])) at
+             * once, the same roundings; a short strip's rows past `rows` were never decoded, so one by one */
+            float scale[STRIP];
+            if (rows == STRIP) _mm_storeu_ps(scale, _mm_mul_ps(_mm_loadu_ps(sa + STRIP * b), _mm_set1_ps(xd)));
+            else for (int i = 0; i < rows; i++) scale[i] = sa[b * STRIP + i] * xd;
             for (int i = 0; i < rows; i++) {
-                int64_t at = b * STRIP + i;
-                __m256 sum = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[at], q));
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sa[at] * xd), sum, acc[i]);
-                if (!sgn) off[i] = fmaf(sb[at], xs, off[i]);
+                __m256 sum = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[b * STRIP + i], q));
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[i]), sum, acc[i]);
             }
+            if (sgn) continue;
+            if (rows == STRIP) off4 = _mm_fmadd_ps(_mm_loadu_ps(sb + STRIP * b), _mm_set1_ps(xs), off4);
+            else for (int i = 0; i < rows; i++) off[i] = fmaf(sb[b * STRIP + i], xs, off[i]);
         }
         if (rows == STRIP) _mm_storeu_ps(off, off4);
         finish_avx2(acc, off, rows, y + r * n, accumulate);
