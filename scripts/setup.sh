@@ -21,9 +21,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# skip the installs when this exact pyproject.toml (and C kernel) was installed already
+# skip the installs when this exact pyproject.toml (and C kernel, all its parts) was installed already
 stamp=".venv/.meshd-installed"
-want="$(sha256sum pyproject.toml setup.py meshd/shard/_blocks.c scripts/setup.sh | sha256sum | cut -c1-64)"
+want="$(sha256sum pyproject.toml setup.py meshd/shard/_blocks* scripts/setup.sh | sha256sum | cut -c1-64)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import meshd, torch, libp2p" 2>/dev/null; then
     exit 0
 fi

@@ -112,7 +112,7 @@ def test_a_liar_is_caught_excluded_and_routed_around(reference):
         liar.terminate()
         code, text, stats, err = generate(e, "--verify", tokens=200)
         assert code == 0, err
-        assert text == reference[200]
+        assert text == reference[200], f"{stats}\nthe entry's log:\n{e.tail(60)}"
         assert stats["compared"] == 200 and stats["disagreements"] == 0 and stats["excluded"] == []
         assert [row["peer"] for row in e.status()["checks"]["excluded"]] == [liar_id]
         ledger = json.loads(subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(e.socket), "ledger",
