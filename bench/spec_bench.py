@@ -7,9 +7,11 @@ past end-of-text, with and without drafts side by side (alternating, same prompt
                     hole punching on (hops go direct once punched); needs root, `ip` and `nft`
   relay<ms>         the same with hole punching off: every hop goes through a relay
 Two workloads: `quote` (the answer quotes or edits a passage given in the prompt: drafts hit) and
-`chat` (free chat: drafts rarely hit). Reports per setup and workload the median decode tok/s with
+`chat` (free chat: prompt lookup rarely hits). `--draft MODEL` gives the entry a draft model instead of
+prompt lookup (`--draft smollm2`: the bundled model as its own draft, an upper bound on what a draft
+model can earn; labelled so in the output), `--recipe` the mesh's lane. Reports per setup and workload the median decode tok/s with
 and without speculation, their ratio, the acceptance (accepted / drafted) and whether the texts
-were equal. Usage: python bench/spec_bench.py [--tokens 128] [--runs 2] [--setups loopback,direct25]
+were equal. Usage: python bench/spec_bench.py [--tokens 128] [--runs 2] [--setups loopback,direct25] [--draft smollm2]
 Prints a table, then one JSON object on the last line.
 """
 
@@ -49,19 +51,19 @@ def generate(entry, prompt: str, tokens: int, speculate: bool) -> tuple[str, dic
 
 
 @contextlib.contextmanager
-def open_setup(name: str):
-    """The entry daemon of a three-daemon mesh set up as `name` says."""
+def open_setup(name: str, extra: list[str]):
+    """The entry daemon of a three-daemon mesh set up as `name` says (`extra`: every daemon's flags)."""
     mesh = Mesh(env={"MESHD_RECORD_TTL": "30"})  # records that outlast a loaded box's stalls
     try:
         if name == "loopback":
-            yield mesh.start_chain(RANGES)[0]
+            yield mesh.start_chain(RANGES, extra=extra)[0]
             return
         kind, delay = re.fullmatch(r"(direct|relay)(\d+(?:\.\d+)?)", name).groups()
         from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
         from meshd.testing.netns import open_testbed
 
         with open_testbed(public=1, homes=3, delay_ms=float(delay)) as bed:
-            _, homes = start_nat_mesh(bed, mesh, RANGES, 1, ["--hole-punch", "1" if kind == "direct" else "0"])
+            _, homes = start_nat_mesh(bed, mesh, RANGES, 1, ["--hole-punch", "1" if kind == "direct" else "0", *extra])
             for h in homes:
                 h.wait_for(covered_through_relays(1, len(RANGES)), timeout=300, what="coverage through relays")
             if kind == "direct":
@@ -86,7 +88,8 @@ def warm_up(entry, tries: int = 12) -> None:
 
 def run_setup(name: str, args) -> list[dict]:
     rows = []
-    with open_setup(name) as entry:
+    extra = ["--recipe", args.recipe, *(["--draft", args.draft] if args.draft else [])]
+    with open_setup(name, extra) as entry:
         warm_up(entry)
         for workload, prompts in WORKLOADS.items():
             rates = {True: [], False: []}
@@ -102,7 +105,8 @@ def run_setup(name: str, args) -> list[dict]:
                             drafted, accepted = drafted + stats["drafted"], accepted + stats["accepted"]
                     same = same and texts[True] == texts[False]
             spec, plain = statistics.median(rates[True]), statistics.median(rates[False])
-            rows.append({"setup": name, "workload": workload, "spec_tok_s": round(spec, 2),
+            rows.append({"setup": name, "workload": workload, "drafts": args.draft or "prompt lookup",
+                         "lane": args.recipe, "spec_tok_s": round(spec, 2),
                          "plain_tok_s": round(plain, 2), "ratio": round(spec / plain, 2),
                          "acceptance": round(accepted / drafted, 2) if drafted else None,
                          "drafted": drafted, "accepted": accepted, "same_text": same,
@@ -116,17 +120,22 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="repeats of each prompt per mode")
     p.add_argument("--setups", default="loopback")
+    p.add_argument("--draft", default="", help="a draft model at the entry (e.g. smollm2) instead of prompt lookup")
+    p.add_argument("--recipe", default="native", help="the mesh's lane (native or exact)")
     p.add_argument("--out", help="also write the JSON here, and beside it a PNG (with matplotlib)")
     args = p.parse_args()
     rows = [r for name in args.setups.split(",") for r in run_setup(name, args)]
-    print(f"three daemons 0:10 10:20 20:30, SmolLM2 Q4_1 native, greedy, {args.tokens} tokens, median of"
-          f" {args.runs} x {len(WORKLOADS['quote'])} prompts per mode")
+    drafts = (f"draft model {args.draft}" + (" (the model itself: an upper bound)" if args.draft == "smollm2" else "")
+              if args.draft else "prompt lookup")
+    print(f"three daemons 0:10 10:20 20:30, SmolLM2 Q4_1 {args.recipe}, greedy, {args.tokens} tokens, median of"
+          f" {args.runs} x {len(WORKLOADS['quote'])} prompts per mode; drafts: {drafts}; CPU: {blocks.isa()}")
     print(f"{'setup':10} {'workload':8} {'spec tok/s':>10} {'plain tok/s':>11} {'ratio':>6} {'accept':>7}  same text")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['setup']:10} {r['workload']:8} {r['spec_tok_s']:>10} {r['plain_tok_s']:>11} {r['ratio']:>6}"
               f" {acc:>7}  {r['same_text']}")
-    result = {"tokens": args.tokens, "runs": args.runs, "cpu": blocks.isa(), "results": rows}
+    result = {"tokens": args.tokens, "runs": args.runs, "cpu": blocks.isa(), "drafts": args.draft or "prompt lookup",
+              "lane": args.recipe, "results": rows}
     print(json.dumps(result))
     if args.out:
         out = Path(args.out)

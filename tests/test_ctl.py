@@ -33,3 +33,7 @@ def test_the_drafts_line_shows_the_setting_and_how_many_drafts_stood():
     assert line == "drafts    speculate auto (at most 8 a step): 40 sent, 30 accepted (75%)"
     assert draft_line({"mode": "off", "draft_max": 8, "drafted": 0, "accepted": 0}).endswith("0 sent, 0 accepted")
     assert draft_line(None) == "drafts    unknown"
+    with_model = {"mode": "auto", "draft_max": 4, "drafted": 8, "accepted": 6,
+                  "source": {"model": "small.gguf", "recipe": "native", "layers": 30}}
+    assert draft_line(with_model) == ("drafts    speculate auto (at most 4 a step, draft model small.gguf (native)):"
+                                      " 8 sent, 6 accepted (75%)")

@@ -74,3 +74,34 @@ def test_a_hop_killed_mid_speculation_keeps_the_text():
     assert stats["reroutes"] >= 1 and stats["tokens"] == 160 and text == solo
     assert stats["accepted"] > 0
     print(f"hop killed mid-speculation: the client's longest pause {pause:.2f} s")
+
+
+def test_a_draft_model_at_the_entry_keeps_the_text_and_its_drafts_stand():
+    """`--draft smollm2`: the bundled model as its own draft (the same file and lane as the mesh, so
+    its greedy guesses are the mesh's tokens): greedy text equals plain decoding in free text, where
+    prompt lookup rarely drafts, nearly every draft is accepted, and seeded sampling repeats."""
+    m = Mesh()
+    try:
+        e = m.start("e", ["--layers", "0:10", "--draft", "smollm2"])
+        boot = ["--bootstrap", e.wait_serving()["addrs"][0]]
+        m.start("m", ["--layers", "10:20", *boot])
+        m.start("t", ["--layers", "20:30", *boot])
+        e.wait_for(lambda s: s["complete"] and sum(p["serving"] for p in s["peers"]) == 2, what="the route")
+        for prompt in ("Once upon a time", "def fibonacci(n):"):
+            plain, plain_stats = run(e, prompt, 40, "--no-speculate")
+            spec, stats = run(e, prompt, 40)
+            assert spec == plain, prompt
+            assert stats["drafted"] > 20 and stats["accepted"] >= 0.9 * stats["drafted"], stats
+            print(f"draft model, {prompt!r}: {stats['accepted']} of {stats['drafted']} accepted,"
+                  f" {stats['decode_tok_per_s']} tok/s against {plain_stats['decode_tok_per_s']} plain")
+        args = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "7"]
+        first, stats = run(e, "Once upon a time", 40, *args)
+        again, _ = run(e, "Once upon a time", 40, *args)
+        assert first == again and stats["drafted"] > 0
+        st = e.status()["speculation"]
+        assert st["source"]["model"].startswith("SmolLM2") and st["source"]["recipe"] == "native"
+        assert st["accepted"] > 0
+        listing = ctl(e.socket, ["status"]).stdout
+        assert "draft model SmolLM2" in listing
+    finally:
+        m.close()

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " with each step, verified in one pass down the route, so a trip can return several tokens;"
                       " the text is the same (default auto: drafts where they keep being accepted)")
     join.add_argument("--draft-max", type=int, help="as an entry: draft tokens a step carries at most (default 8)")
+    join.add_argument("--draft", help="as an entry: a draft model (a GGUF file, an HF directory or a bundled name)"
+                      " run whole on this daemon to propose the drafts, instead of prompt lookup; it must share the"
+                      " model's tokenizer (refused at start otherwise)")
     join.add_argument("--verify-rate", type=float, help="as an entry: share of generations also run on a second"
                       " route of other daemons, a token given only when both routes agree (default 0.05; 0: none)")
     join.add_argument("--relay", choices=["auto", "on", "off"], help="offer circuit relay to daemons that cannot"

@@ -39,7 +39,9 @@ def draft_line(spec: dict | None) -> str:
         return "drafts    unknown"
     sent, kept = spec.get("drafted", 0), spec.get("accepted", 0)
     rate = f" ({100 * kept / sent:.0f}%)" if sent else ""
-    return (f"drafts    speculate {spec.get('mode', '-')} (at most {spec.get('draft_max', '-')} a step):"
+    source = spec.get("source")
+    model = f", draft model {source['model']} ({source['recipe']})" if isinstance(source, dict) else ""
+    return (f"drafts    speculate {spec.get('mode', '-')} (at most {spec.get('draft_max', '-')} a step{model}):"
             f" {sent} sent, {kept} accepted{rate}")
 
 

@@ -104,16 +104,27 @@ class DraftLength:
 
 
 class Drafts:
-    """A generation's drafting: the lookup and the length, kept across reroutes (the drafts after a
-    reroute are those the lost route would have been sent, so seeded text continues as it would)."""
+    """A generation's drafting: where drafts come from and how many, kept across reroutes (the drafts
+    after a reroute are those the lost route would have been sent, so seeded text continues as it
+    would). The source is prompt lookup, or a draft model's session (`meshd/entry/draftmodel.py`):
+    anything with `propose(context, k)`; one that `computes` runs a model, so its proposals (and its
+    `close`) go to the daemon's compute thread."""
 
-    def __init__(self, most: int = DRAFT_MAX) -> None:
-        self.lookup, self.length = PromptLookup(), DraftLength(most)
+    def __init__(self, most: int = DRAFT_MAX, source=None) -> None:
+        self.source = PromptLookup() if source is None else source
+        self.computes = source is not None
+        self.length = DraftLength(most)
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Drafts after the context, at most `room` (what the generation may still produce, less
         the token the step itself gives)."""
-        return self.lookup.propose(context, min(self.length.wanted(), max(0, room)))
+        return self.source.propose(context, min(self.length.wanted(), max(0, room)))
 
     def after(self, drafted: int, accepted: int) -> None:
         self.length.after(drafted, accepted)
+
+    def close(self) -> None:
+        """Let go of what the source holds (a draft model's KV)."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()

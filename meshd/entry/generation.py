@@ -48,12 +48,13 @@ class Entry:
 
     def __init__(self, service, tokenizer, config, model_fp: str, recipe_fp: str, mesh, open_stream, *,
                  end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True, microbatches: int = 2,
-                 speculate: bool = True, draft_max: int = DRAFT_MAX, ledger=None, verify_rate: float = 0.0,
-                 exclusions: Exclusions | None = None) -> None:
+                 speculate: bool = True, draft_max: int = DRAFT_MAX, draft_model=None, ledger=None,
+                 verify_rate: float = 0.0, exclusions: Exclusions | None = None) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.mesh, self.end = mesh, end
         self.busy_wait_s = busy_wait_s
-        self.speculate, self.draft_max = speculate, draft_max  # drafts (prompt lookup), at most so many a step
+        self.speculate, self.draft_max = speculate, draft_max  # drafts, at most so many a step
+        self.draft_model = draft_model  # drafts from a model (--draft; meshd/entry/draftmodel.py), else prompt lookup
         self.drafted = self.accepted = 0  # draft tokens sent and accepted, all generations (status, metrics)
         self.microbatch_use = Microbatches()
         self.ledger = ledger  # the daemon's work ledger (meshd/node/ledger.py), when it keeps one
@@ -88,7 +89,15 @@ class Entry:
 
     def drafts_for(self, req: GenerateRequest) -> Drafts | None:
         """Where a generation's drafts come from (None: plain decoding)."""
-        return Drafts(self.draft_max) if self.speculate and req.speculate and self.draft_max > 0 else None
+        if not (self.speculate and req.speculate and self.draft_max > 0):
+            return None
+        return Drafts(self.draft_max, self.draft_model.session() if self.draft_model is not None else None)
+
+    async def propose(self, gen: Generation) -> list[int]:
+        """The drafts for the generation's next step (a draft model runs on the compute thread)."""
+        if gen.drafts is not None and gen.drafts.computes:
+            return await self.service.compute.run(gen.propose)
+        return gen.propose()
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
         gen, sampling = self.start(req)
@@ -100,6 +109,9 @@ class Entry:
             failure = exc
             raise
         finally:
+            if gen.drafts is not None and gen.drafts.computes:  # the draft model's KV of this generation
+                with trio.CancelScope(shield=True):
+                    await self.service.compute.run(gen.drafts.close)
             if self.ledger is not None:
                 self.ledger.end_generation(row, self.mesh.peer_id, outcome_of(failure), len(gen.ids), len(gen.tokens),
                                            gen.work(), gen.reroutes, checked=gen.check is not None and gen.check.ran,
@@ -192,7 +204,7 @@ class Entry:
             # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
             # same text whatever the load, so it drafts as its draft length says
             pays = req.temperature > 0 or worth_drafting(len(at.hops), sum(self.microbatch_use.counts()))
-            drafts = gen.propose() if pays else []
+            drafts = await self.propose(gen) if pays else []
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             # the next step is under way (submitted to this daemon's pass) before the client is
             # sent these tokens' text: writing to the client does not delay every pass here

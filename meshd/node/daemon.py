@@ -36,7 +36,7 @@ from meshd.entry.checks import Exclusions
 from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State, StopRequest
 from meshd.node.log import get_logger
-from meshd.node.model import open_model
+from meshd.node.model import open_draft, open_model
 from meshd.node.relaying import Relaying
 from meshd.node.settings import Settings
 from meshd.node.slot import Slot, evict_loop, forget_shard, open_slot
@@ -76,6 +76,7 @@ class Daemon:
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
         self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
         self.exclusions = Exclusions()  # peers kept off this daemon's routes after a check (meshd/entry/checks.py)
+        self.draft_model = None  # --draft: proposes its entries' drafts (meshd/entry/draftmodel.py)
 
     @property
     def entry(self) -> Entry | None:
@@ -88,6 +89,7 @@ class Daemon:
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
         s.speculate_on, s.verify_share  # noqa: B018 -- a bad --speculate, --draft-max or --verify-rate is refused
+        self.draft_model = await open_draft(s, self.artifact, self.compute, fixed)
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
         async with open_host(key_pair, s.listen, self.pnet) as host:
@@ -231,7 +233,8 @@ class Daemon:
             slot.entry = Entry(slot.service, slot.tokenizer, self.artifact.config, self.artifact.fingerprint,
                                self.recipe_fp, self.mesh, self.dialer.open_stream, end=slot.shard.end,
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
-                               speculate=s.speculate_on, draft_max=s.draft_max, ledger=self.ledger,
+                               speculate=s.speculate_on, draft_max=s.draft_max, draft_model=self.draft_model,
+                               ledger=self.ledger,
                                verify_rate=s.verify_share, exclusions=self.exclusions)
         old, self.slot = self.slot, slot
         return old

@@ -1,4 +1,5 @@
-"""What a daemon serves, settled before it joins: the model file, its recipe, and the range the operator fixed.
+"""What a daemon serves, settled before it joins: the model file, its recipe, the range the operator
+fixed, and the draft model its generations may use (`--draft`).
 
 Rule: a fixed range that cannot fit `--memory` is refused here, before the daemon joins the mesh
 (an operator's error, not the mesh's); the recipe's fingerprint names the file, its adapter and the
@@ -12,11 +13,14 @@ import os
 import trio
 
 from meshd.node.compute import ComputeExecutor
+from meshd.node.log import get_logger
 from meshd.node.settings import Settings
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.footprint import check_fits
 from meshd.shard.recipe import get_recipe
+
+log = get_logger(__name__)
 
 
 async def open_model(settings: Settings, compute: ComputeExecutor):
@@ -30,3 +34,22 @@ async def open_model(settings: Settings, compute: ComputeExecutor):
     if fixed is not None and fixed != (0, 0):
         check_fits(artifact, recipe, *fixed, memory=settings.memory)
     return artifact, recipe, recipe_fp, fixed
+
+
+async def open_draft(settings: Settings, artifact, compute: ComputeExecutor, fixed):
+    """The draft model (`--draft`) loaded whole on the compute thread, or None without one, with
+    speculation off, or on a fixed range without layer 0 (never an entry). Refused (DraftRefused,
+    a ValueError) before the daemon joins when its tokenizer's vocabulary is not the model's."""
+    if not settings.draft or not settings.speculate_on:
+        return None
+    if fixed is not None and (fixed == (0, 0) or fixed[0] != 0):
+        log.info("--draft not loaded: this daemon serves no layer 0, so it starts no generation", draft=settings.draft)
+        return None
+
+    def load():
+        from meshd.entry.draftmodel import DraftModel
+        from meshd.shard.tokenizer import load_tokenizer
+
+        return DraftModel(settings.draft, load_tokenizer(artifact))
+
+    return await compute.run(load)

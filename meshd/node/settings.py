@@ -64,6 +64,7 @@ class Settings:
     # on the route (0: exactly one per daemon on the route)
     speculate: str = "auto"  # as an entry: drafts with each step (auto) or plain decoding (off)
     draft_max: int = 8  # as an entry: drafts a step carries at most
+    draft: str = ""  # as an entry: a draft model (GGUF file or HF directory) run whole here; empty: prompt lookup
     verify_rate: float = 0.05  # as an entry: share of generations also run on a second route and compared (0: none)
     relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
     relays: int = 2  # relays a daemon that cannot be dialled reserves at (0: none)
