@@ -23,10 +23,21 @@ def test_prompt_lookup_continues_the_longest_earlier_ngram():
     assert PromptLookup().propose(ctx, 0) == []
 
 
+def test_prompt_lookup_goes_on_where_an_occurrence_runs_out_so_a_repeating_run_drafts_k():
+    """The latest earlier "0 0 0" of a run of zeros is one token from the end: its continuation is one
+    token, so the lookup goes on from the context and what it proposed (a run, a repeated line)."""
+    look = PromptLookup(ngram_max=3, ngram_min=2)
+    assert look.propose([7, 0, 0, 0, 0], 5) == [0, 0, 0, 0, 0]
+    line = [5, 6, 7, 8, 9]
+    assert PromptLookup().propose([1, *line, *line[:3]], 6) == [8, 9, 5, 6, 7, 8]  # the line, and again
+    assert PromptLookup().propose([1, *line, 2, *line[:3]], 6) == [8, 9, 2, 5, 6, 7]
+    assert PromptLookup().propose([1, 2, 3, 4, 2, 3], 2) == [4, 2]
+
+
 def test_prompt_lookup_never_proposes_the_suffix_itself_and_keeps_its_index_as_the_context_grows():
     look = PromptLookup(ngram_max=2, ngram_min=2)
     assert look.propose([3, 4], 4) == []  # the only "3 4" is the suffix
-    assert look.propose([3, 4, 3, 4], 4) == [3, 4]  # the earlier one, continued up to the end
+    assert look.propose([3, 4, 3, 4], 4) == [3, 4, 3, 4]  # the earlier one, continued to the end and on
     ctx = [3, 4, 3, 4]
     for t in [5, 3, 4]:
         ctx.append(t)

@@ -50,16 +50,27 @@ class PromptLookup:
 
     def propose(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the context's longest
-        indexed suffix ([] when none occurred, or k is 0)."""
+        indexed suffix, and where that runs out (the occurrence was near the end: a repeating run),
+        what followed the suffix of the context and the tokens proposed so far ([] when nothing
+        occurred, or k is 0)."""
         for end in range(max(self.seen, 1), len(context)):  # n-grams ending before `end`, followed by it
             for n in self.sizes:
                 if end >= n:
                     self.index[tuple(context[end - n:end])] = end
         self.seen = max(self.seen, len(context))
-        if k <= 0:
-            return []
+        out: list[int] = []
+        while len(out) < k:
+            more = self._after(context, out, k - len(out))
+            if not more:
+                break
+            out += more
+        return out
+
+    def _after(self, context: list[int], proposed: list[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest indexed suffix of context + proposed."""
+        tail = (context[-self.sizes[0]:] if len(context) >= self.sizes[0] else context) + proposed
         for n in self.sizes:
-            start = self.index.get(tuple(context[-n:])) if len(context) >= n else None
+            start = self.index.get(tuple(tail[-n:])) if len(tail) >= n else None
             if start is not None:
                 return list(context[start:start + k])
         return []
