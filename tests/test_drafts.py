@@ -5,7 +5,7 @@ accept/reject rule, whose output must follow the target distribution)."""
 import pytest
 import torch
 
-from meshd.entry.drafts import PAUSE_MIN, DraftLength, Drafts, PromptLookup
+from meshd.entry.drafts import PAUSE_MIN, DraftLength, Drafts, PromptLookup, StepCosts
 from meshd.entry.state import Generation
 from meshd.shard.sampler import Sampler, SamplingParams
 
@@ -143,3 +143,30 @@ def test_drafts_go_only_down_routes_that_leave_the_daemon_and_only_for_a_lone_ge
     assert worth_drafting(remote_hops=1, generations=0)
     assert not worth_drafting(remote_hops=0, generations=1)  # a route inside this daemon: drafts are pure compute
     assert not worth_drafting(remote_hops=2, generations=2)  # shared passes: a draft's rows displace a token
+
+
+def test_measured_costs_keep_drafts_where_a_trip_costs_more_than_the_rows_and_stop_them_where_not():
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # "1 2 3" occurred: the lookup always has drafts here
+    slow = Drafts(8, costs=StepCosts())
+    assert slow.propose(ctx, 8) == []  # the first step goes plain: it times a trip
+    slow.observe(1, 0.150)  # 25 ms links: a trip of 150 ms
+    assert slow.propose(ctx, 8) == [4, 5, 6, 7]
+    slow.after(4, 1)
+    slow.observe(5, 0.150 + 4 * 0.007)  # each draft row adds 7 ms
+    assert slow.costs.row == pytest.approx(0.007)
+    assert slow.propose(ctx, 8) == [4, 5]  # a quarter accepted still saves more than it costs
+    fast = Drafts(8, costs=StepCosts())
+    fast.propose(ctx, 8)
+    fast.observe(1, 0.015)  # loopback: a 15 ms trip
+    fast.propose(ctx, 8)
+    fast.after(4, 1)
+    fast.observe(5, 0.015 + 4 * 0.013)  # a draft model about as costly as the route's own step
+    assert fast.propose(ctx, 8) == []  # 13 ms a draft against 0.81 of 15 ms: plain steps for a pause
+    assert [fast.propose(ctx, 8) for _ in range(PAUSE_MIN)] == [[]] * PAUSE_MIN
+    assert fast.propose(ctx, 8) == [4]  # then a probe keeps the acceptance measured
+    fast.after(1, 1)
+    for _ in range(6):  # drafts that keep standing earn their rows back
+        fast.after(2, 2)
+    assert fast.length.acceptance > 0.9 and fast.propose(ctx, 8) == [4, 5, 6, 7, 8, 1, 2, 3]
+    # without costs (a sampled generation) drafts follow their acceptance alone, from the first step
+    assert Drafts(8).propose(ctx, 8) == [4, 5, 6, 7]

@@ -79,7 +79,8 @@ def test_a_hop_killed_mid_speculation_keeps_the_text():
 def test_a_draft_model_at_the_entry_keeps_the_text_and_its_drafts_stand():
     """`--draft smollm2`: the bundled model as its own draft (the same file and lane as the mesh, so
     its greedy guesses are the mesh's tokens): greedy text equals plain decoding in free text, where
-    prompt lookup rarely drafts, nearly every draft is accepted, and seeded sampling repeats."""
+    prompt lookup rarely drafts, nearly every draft is accepted, and seeded sampling (which drafts
+    by acceptance alone, never by timings) repeats."""
     m = Mesh()
     try:
         e = m.start("e", ["--layers", "0:10", "--draft", "smollm2"])
@@ -91,7 +92,8 @@ def test_a_draft_model_at_the_entry_keeps_the_text_and_its_drafts_stand():
             plain, plain_stats = run(e, prompt, 40, "--no-speculate")
             spec, stats = run(e, prompt, 40)
             assert spec == plain, prompt
-            assert stats["drafted"] > 20 and stats["accepted"] >= 0.9 * stats["drafted"], stats
+            # how many steps draft is the entry's call on measured step times (StepCosts): not asserted
+            assert stats["drafted"] > 0 and stats["accepted"] >= 0.9 * stats["drafted"], stats
             print(f"draft model, {prompt!r}: {stats['accepted']} of {stats['drafted']} accepted,"
                   f" {stats['decode_tok_per_s']} tok/s against {plain_stats['decode_tok_per_s']} plain")
         args = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "7"]

@@ -11,7 +11,10 @@ draft again after a pause that doubles each time it fails, so a workload whose d
 costs about what plain decoding costs. Both are pure: tokens in, tokens out.
 
 `worth_drafting` says when a step carries drafts at all: a verification pass costs several rows of
-compute, which pays only where a trip's round trips cost more than that compute.
+compute, which pays only where a trip's round trips cost more than that compute. Within a greedy
+generation `StepCosts` weighs the two as measured: a draft is sent while its chance of acceptance
+times a trip exceeds what a row more costs (over slow links nearly always, on loopback only while
+drafts are mostly accepted).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ NGRAM_MIN = 2  # single tokens repeat too often by chance to be worth a draft
 DRAFT_MAX = 8  # drafts a step carries at most (--draft-max)
 FIRST_K = 4
 PAUSE_MIN, PAUSE_MAX = 4, 64  # plain steps before one draft is tried again at k = 0
+WEIGHT = 0.25  # of the latest step in the running means of acceptance and of step times
 
 
 def worth_drafting(remote_hops: int, generations: int) -> bool:
@@ -86,6 +90,7 @@ class DraftLength:
         self.k = min(first, most)
         self.pause = 0  # plain steps left before a draft is tried again
         self.next_pause = PAUSE_MIN
+        self.acceptance = 1.0  # running mean of the share of a step's drafts accepted (the benefit of the doubt)
 
     def wanted(self) -> int:
         """Drafts for the next step (call once a step)."""
@@ -102,6 +107,7 @@ class DraftLength:
         """A step carried `drafted` drafts and the tail accepted `accepted` of them."""
         if drafted <= 0:
             return
+        self.acceptance += WEIGHT * (accepted / drafted - self.acceptance)
         if accepted >= drafted:
             self.k = min(self.most, max(self.k, drafted) + 2)
             self.next_pause = PAUSE_MIN
@@ -114,6 +120,41 @@ class DraftLength:
                 self.next_pause = min(PAUSE_MAX, 2 * self.next_pause)
 
 
+    def hold(self) -> None:
+        """Drafts would cost more than they save for now: plain steps for a pause, then a probe."""
+        self.k = 0
+        self.pause = self.next_pause
+        self.next_pause = min(PAUSE_MAX, 2 * self.next_pause)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + WEIGHT * (new - old)
+
+
+class StepCosts:
+    """What a step costs this entry, measured: a trip (a plain step: one row down the route and its
+    token back) and each draft more (its proposal, and its row through every hop and the LM head).
+    An accepted draft saves a trip, every draft costs a row, so drafts pay while acceptance times a
+    trip exceeds a row. For greedy generations only: a choice made on timings would change the text
+    a seed gives a sampled one."""
+
+    def __init__(self) -> None:
+        self.trip: float | None = None  # seconds, running mean of plain steps
+        self.row: float | None = None  # seconds a draft adds to a step, running mean
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of `rows` positions (1 + its drafts) took `seconds`, proposal included."""
+        if rows <= 1:
+            self.trip = _mean(self.trip, seconds)
+        elif self.trip is not None:
+            self.row = _mean(self.row, max(0.0, seconds - self.trip) / (rows - 1))
+
+    def pays(self, acceptance: float) -> bool:
+        """Whether drafts accepted at this rate save more than they cost (until a draft step was
+        timed, they are given the benefit of the doubt)."""
+        return self.row is None or acceptance * self.trip > self.row
+
+
 class Drafts:
     """A generation's drafting: where drafts come from and how many, kept across reroutes (the drafts
     after a reroute are those the lost route would have been sent, so seeded text continues as it
@@ -121,15 +162,28 @@ class Drafts:
     anything with `propose(context, k)`; one that `computes` runs a model, so its proposals (and its
     `close`) go to the daemon's compute thread."""
 
-    def __init__(self, most: int = DRAFT_MAX, source=None) -> None:
+    def __init__(self, most: int = DRAFT_MAX, source=None, costs: StepCosts | None = None) -> None:
         self.source = PromptLookup() if source is None else source
         self.computes = source is not None
         self.length = DraftLength(most)
+        self.costs = costs  # weighs drafts against trips (greedy generations); None: by acceptance alone
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Drafts after the context, at most `room` (what the generation may still produce, less
-        the token the step itself gives)."""
-        return self.source.propose(context, min(self.length.wanted(), max(0, room)))
+        the token the step itself gives). With costs, the first step goes plain, timing a trip."""
+        if self.costs is not None and self.costs.trip is None:
+            k = 0
+        else:
+            k = self.length.wanted()
+            if k > 1 and self.costs is not None and not self.costs.pays(self.length.acceptance):
+                self.length.hold()  # a probe (k = 1) still goes: it keeps the acceptance measured
+                k = 0
+        return self.source.propose(context, min(k, max(0, room)))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of `rows` positions took `seconds` (see `StepCosts`)."""
+        if self.costs is not None:
+            self.costs.observe(rows, seconds)
 
     def after(self, drafted: int, accepted: int) -> None:
         self.length.after(drafted, accepted)

@@ -26,7 +26,7 @@ import trio
 from meshd.entry.attempt import Attempt
 from meshd.entry.checked import run_checked, settle_disagreement
 from meshd.entry.checks import Check, Exclusions, chosen
-from meshd.entry.drafts import DRAFT_MAX, Drafts, worth_drafting
+from meshd.entry.drafts import DRAFT_MAX, Drafts, StepCosts, worth_drafting
 from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, first_of, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.opening import Routes
@@ -91,7 +91,10 @@ class Entry:
         """Where a generation's drafts come from (None: plain decoding)."""
         if not (self.speculate and req.speculate and self.draft_max > 0):
             return None
-        return Drafts(self.draft_max, self.draft_model.session() if self.draft_model is not None else None)
+        # a greedy generation's drafts are weighed against trips as timed (its text is the same either
+        # way); a sampled one's follow its acceptance alone, so a seed gives the same text whatever the load
+        return Drafts(self.draft_max, self.draft_model.session() if self.draft_model is not None else None,
+                      StepCosts() if req.temperature == 0 else None)
 
     async def propose(self, gen: Generation) -> list[int]:
         """The drafts for the generation's next step (a draft model runs on the compute thread)."""
@@ -204,6 +207,7 @@ class Entry:
             # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
             # same text whatever the load, so it drafts as its draft length says
             pays = req.temperature > 0 or worth_drafting(len(at.hops), sum(self.microbatch_use.counts()))
+            began = time.perf_counter()
             drafts = await self.propose(gen) if pays else []
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             # the next step is under way (submitted to this daemon's pass) before the client is
@@ -212,6 +216,8 @@ class Entry:
                 overlap.start_soon(self.emit_tokens, req, gen, text, taken, emit)
                 reply = await at.advance(len(gen.tokens), Phase.VERIFY if drafts else Phase.DECODE, position,
                                          [taken[-1], *drafts])
+            if pays and gen.drafts is not None:
+                gen.drafts.observe(1 + len(drafts), time.perf_counter() - began)
             if drafts:
                 gen.verified(len(drafts), reply.accepted)
             tokens = [*drafts[:reply.accepted], reply.token_id]
