@@ -32,12 +32,17 @@ from meshd.testing.localmesh import Mesh, ctl
 RANGES = [(0, 10), (10, 20), (20, 30)]
 PASSAGE = ("Meshd runs a large language model split across ordinary machines. Each machine runs one daemon that "
            "serves a contiguous range of the model's transformer layers. Daemons find each other in a distributed "
-           "hash table, where each advertises which layers it serves.")
-CODE = ("def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
-        "    return total / len(values)\n")
+           "hash table, where each advertises which layers it serves. Any daemon that serves the first layers can be "
+           "the entry point for a generation: it tokenizes the prompt, runs its layers, and streams activations down a "
+           "chain of daemons that together cover the rest, the last of which samples the next token. Activations "
+           "travel over encrypted streams, or through a relay when a node cannot be dialled, in a compact binary "
+           "framing.")
+MISSPELT = PASSAGE.replace("machines", "machnies").replace("daemon", "deamon").replace("travel", "travle")
+# quote: the answer writes the passage out again, edited (SmolLM2-135M paraphrases a plain "repeat this" after
+# a few sentences; these two it follows furthest: about 3 tokens a trip by prompt lookup, see the README)
 WORKLOADS = {
-    "quote": [f"Repeat the following paragraph word for word.\n\n{PASSAGE}",
-              f"Rename the function `mean` to `average` in this code and show the whole code.\n\n{CODE}"],
+    "quote": [f"Fix the spelling mistakes in this text and write it out in full.\n\n{MISSPELT}",
+              f"Copy this text exactly, without changes:\n\n{PASSAGE}"],
     "chat": ["Tell me about the history of Rome.", "What should I cook for dinner tonight?"],
 }
 
