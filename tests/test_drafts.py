@@ -170,3 +170,21 @@ def test_measured_costs_keep_drafts_where_a_trip_costs_more_than_the_rows_and_st
     assert fast.length.acceptance > 0.9 and fast.propose(ctx, 8) == [4, 5, 6, 7, 8, 1, 2, 3]
     # without costs (a sampled generation) drafts follow their acceptance alone, from the first step
     assert Drafts(8).propose(ctx, 8) == [4, 5, 6, 7]
+
+
+def test_a_draft_models_catching_up_on_the_prompt_is_not_counted_as_what_drafts_cost():
+    class Source:  # a draft model that spent 0.2 s feeding the prompt before its drafts
+        catch_up_s = 0.0
+
+        def propose(self, context, k):
+            self.catch_up_s = 0.2 if k else 0.0
+            return [7] * k
+
+    d = Drafts(4, Source(), StepCosts())
+    assert d.propose([1, 2, 3], 4) == []  # plain: a trip timed
+    d.observe(1, 0.030)
+    assert d.propose([1, 2, 3, 4], 4) == [7, 7, 7, 7]
+    d.after(4, 4)
+    d.observe(5, 0.030 + 4 * 0.005 + 0.2)
+    assert d.costs.row == pytest.approx(0.005)  # not (0.2 + 0.02) / 4
+    assert d.propose([1, 2, 3, 4, 7, 7, 7, 7, 9], 8) == [7, 7, 7, 7]

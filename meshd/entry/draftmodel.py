@@ -17,6 +17,7 @@ positions) proposes nothing: the generation decodes plainly, never fails for it.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -89,8 +90,10 @@ class DraftSession:
         self.key = ("draft", os.urandom(8))
         self.fed: list[int] = []  # the tokens whose KV the session holds, in order
         self.opened = self.broken = False
+        self.catch_up_s = 0.0  # of the last proposal, the seconds spent feeding context it had not seen
 
     def propose(self, context: list[int], k: int) -> list[int]:
+        self.catch_up_s = 0.0
         k = min(k, self.shard.max_positions - len(context))
         if k <= 0 or self.broken or not context:
             return []
@@ -108,8 +111,11 @@ class DraftSession:
         keep = min(common_prefix(self.fed, context), len(context) - 1)  # the last token is fed for its logits
         self.shard.trim(self.key, keep)
         with torch.inference_mode():
+            t0 = time.perf_counter()
             for a in range(keep, len(context), FEED_CHUNK):
                 logits = self.shard.forward(self.key, torch.tensor([context[a:a + FEED_CHUNK]]), a)
+            if len(context) - keep > 2:  # more than a step's new token and last draft: the prompt, or the
+                self.catch_up_s = time.perf_counter() - t0  # tokens of plain steps (a one-off, not a draft's cost)
             out: list[int] = []
             while True:
                 token = int(torch.argmax(logits))

@@ -167,6 +167,7 @@ class Drafts:
         self.computes = source is not None
         self.length = DraftLength(most)
         self.costs = costs  # weighs drafts against trips (greedy generations); None: by acceptance alone
+        self.catch_up_s = 0.0  # of the last proposal, a draft model's one-off feeding of context it missed
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Drafts after the context, at most `room` (what the generation may still produce, less
@@ -178,12 +179,15 @@ class Drafts:
             if k > 1 and self.costs is not None and not self.costs.pays(self.length.acceptance):
                 self.length.hold()  # a probe (k = 1) still goes: it keeps the acceptance measured
                 k = 0
-        return self.source.propose(context, min(k, max(0, room)))
+        drafts = self.source.propose(context, min(k, max(0, room)))
+        self.catch_up_s = getattr(self.source, "catch_up_s", 0.0)
+        return drafts
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A step of `rows` positions took `seconds` (see `StepCosts`)."""
+        """A step of `rows` positions took `seconds` (see `StepCosts`); a draft model catching up on
+        the prompt or on plain steps' tokens is a one-off, not what a draft costs."""
         if self.costs is not None:
-            self.costs.observe(rows, seconds)
+            self.costs.observe(rows, max(0.0, seconds - self.catch_up_s))
 
     def after(self, drafted: int, accepted: int) -> None:
         self.length.after(drafted, accepted)
