@@ -97,6 +97,9 @@ def test_speculation_settings_from_flag_environment_and_file(tmp_path):
     s = load_settings({"speculate": "auto"}, str(cfg), environ={})
     assert s.speculate_on and s.draft_max == 3
     assert not load_settings({"draft_max": 0}, environ={}).speculate_on  # no drafts: plain decoding
+    assert load_settings({}, environ={}).draft == ""  # prompt lookup unless a draft model is named
+    assert load_settings({}, environ={"MESHD_DRAFT": "small.gguf"}).draft == "small.gguf"
+    assert load_settings({"draft": "smollm2"}, environ={"MESHD_DRAFT": "small.gguf"}).draft == "smollm2"
     with pytest.raises(ValueError, match="--speculate"):
         load_settings({}, environ={"MESHD_SPECULATE": "sometimes"}).speculate_on
     with pytest.raises(ValueError, match="--draft-max"):
