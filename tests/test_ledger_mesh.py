@@ -25,7 +25,7 @@ def mesh():
 
 def ledger(d) -> dict:
     out = ctl(d.socket, ["ledger", "--json"], timeout=20)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, f"{out.stderr}\n{d.name}'s log (exit {d.proc.poll()}):\n{d.tail(60)}"
     return json.loads(out.stdout)
 
 

@@ -83,8 +83,20 @@ class ControlServer:
                 await channel.send(error_event(0, ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__}"))
         except (ChannelClosed, trio.TooSlowError, WireError):
             pass
+        except Exception as exc:  # noqa: BLE001 -- one request's bug must not take the daemon and its socket down
+            await self._internal_error(channel, exc)
         finally:
             await channel.aclose()
+
+    @staticmethod
+    async def _internal_error(channel: Channel, exc: Exception) -> None:
+        """A request failed in a way nothing expected: logged with its traceback, its client told."""
+        log.exception("a request failed unexpectedly; the daemon serves on", error=repr(exc))
+        with trio.CancelScope(shield=True):
+            try:
+                await channel.send(error_event(0, ErrorCode.INTERNAL, f"internal error: {exc!r}"))
+            except Exception:  # noqa: BLE001 -- the client may be gone too
+                pass
 
     async def _drain(self, channel: Channel, msg: DrainRequest) -> None:
         """Drain (and with `exit`, then stop); answers with the status once nothing runs here."""
@@ -107,6 +119,8 @@ class ControlServer:
                 await self._generate_for(channel, msg, watch_client=True)
         except (ChannelClosed, trio.TooSlowError, WireError):
             pass
+        except Exception as exc:  # noqa: BLE001 -- as for the local socket: the daemon serves on
+            await self._internal_error(channel, exc)
         finally:
             with trio.CancelScope(shield=True):
                 await channel.aclose()
