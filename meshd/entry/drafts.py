@@ -119,7 +119,6 @@ class DraftLength:
                 self.pause = self.next_pause
                 self.next_pause = min(PAUSE_MAX, 2 * self.next_pause)
 
-
     def hold(self) -> None:
         """Drafts would cost more than they save for now: plain steps for a pause, then a probe."""
         self.k = 0
@@ -167,7 +166,6 @@ class Drafts:
         self.computes = source is not None
         self.length = DraftLength(most)
         self.costs = costs  # weighs drafts against trips (greedy generations); None: by acceptance alone
-        self.catch_up_s = 0.0  # of the last proposal, a draft model's one-off feeding of context it missed
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Drafts after the context, at most `room` (what the generation may still produce, less
@@ -179,15 +177,14 @@ class Drafts:
             if k > 1 and self.costs is not None and not self.costs.pays(self.length.acceptance):
                 self.length.hold()  # a probe (k = 1) still goes: it keeps the acceptance measured
                 k = 0
-        drafts = self.source.propose(context, min(k, max(0, room)))
-        self.catch_up_s = getattr(self.source, "catch_up_s", 0.0)
-        return drafts
+        return self.source.propose(context, min(k, max(0, room)))
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step of `rows` positions took `seconds` (see `StepCosts`); a draft model catching up on
         the prompt or on plain steps' tokens is a one-off, not what a draft costs."""
         if self.costs is not None:
-            self.costs.observe(rows, max(0.0, seconds - self.catch_up_s))
+            catch_up = getattr(self.source, "catch_up_s", 0.0)  # of the proposal just made
+            self.costs.observe(rows, max(0.0, seconds - catch_up))
 
     def after(self, drafted: int, accepted: int) -> None:
         self.length.after(drafted, accepted)
