@@ -137,14 +137,18 @@ def test_a_relayed_hop_is_priced_by_its_latency_and_a_direct_peer_covering_the_s
     assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["d"]
     # a malformed circuit address in a peer's record names no relay: priced as unmeasured, no error
     odd = record("o", 10, 30, relay_addrs=("/p2p-circuit/garbage",))
-    assert link_latency([odd], {"R": 0.03})("o") == 2 * DEFAULT_LATENCY
-    # the relay measured at 30 ms: its peers are priced at both legs, 60 ms
+    assert link_latency([odd], {"R": 0.03})("o") == pytest.approx(0.06)  # twice the measured links' median
+    # the relay measured at 30 ms, nothing else: its peers are priced at both legs, 60 ms
     assert link_latency(cov.records, {"R": 0.03})("h") == pytest.approx(0.06)
+    # a peer never measured is priced like the measured links (their median), not at a constant below
+    # them: the one peer measured (a record pull on a loaded box) must not look slow next to it
+    links = link_latency(cov.records, {"a": 0.010, "R": 0.030, "d": 0.020})
+    assert links("never") == pytest.approx(0.020) and links("h") == pytest.approx(0.030 + 0.020)
     # measured round trips win over estimates, whichever way they point
     links = link_latency(cov.records, {"h": 0.004, "d": 0.050})
     assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["h"]
     # the route's hop carries the circuit address after the direct ones, for the dialler
-    [hop] = plan_route(cov, 10, latency=link_latency(cov.records, {"d": 1.0})).hops
+    [hop] = plan_route(cov, 10, latency=link_latency(cov.records, {"d": 1.0, "R": 0.01})).hops
     assert hop.peer_id == "h" and hop.addrs == relayed.addrs + relayed.relay_addrs
 
 

@@ -8,6 +8,7 @@ Ties break deterministically (fewer hops, then peer id), so every entry plans th
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -48,17 +49,21 @@ class Route:
 
 def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], float]:
     """Each peer's link latency for planning: measured where known (a record round trip, which for a
-    peer reached through a relay includes both legs); a peer reached only through relays and never
-    measured is priced at twice the latency of its nearest measured relay (both legs), never below
-    twice the default, so an unmeasured direct peer wins over an unmeasured relayed one."""
+    peer reached through a relay includes both legs). A peer never measured is priced at the median
+    of the measured links (the default when none is): a round trip is measured only when a record
+    happens to be pulled or stored, and pricing the others at a constant below what a loaded box
+    measures made every measured peer look slow next to them. A peer reached only through relays
+    and never measured is priced at twice the latency of its nearest measured relay (both legs),
+    never below twice that prior, so an unmeasured direct peer wins over an unmeasured relayed one."""
+    prior = statistics.median(measured.values()) if measured else DEFAULT_LATENCY
     relayed: dict[str, float] = {}
     for r in records:
         if r.peer_id in measured or not r.relay_addrs:
             continue
         relays = {relay_of(a) for a in r.relay_addrs} - {None}  # a malformed address names no relay
-        near = min((measured[x] for x in relays if x in measured), default=DEFAULT_LATENCY)
-        relayed[r.peer_id] = 2 * max(near, DEFAULT_LATENCY)
-    return lambda peer: measured.get(peer, relayed.get(peer, DEFAULT_LATENCY))
+        near = min((measured[x] for x in relays if x in measured), default=prior)
+        relayed[r.peer_id] = near + prior
+    return lambda peer: measured.get(peer, relayed.get(peer, prior))
 
 
 def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] | Callable[[str], float] | None = None,
