@@ -260,3 +260,25 @@ def test_rope_freqs_of_the_wrong_length_are_refused():
     bad = rope.RopeScaling("freq_factors", freq_factors=rope.FREQ_FACTORS)
     with pytest.raises(UnsupportedArchitecture, match="holds 5 factors"):
         rope.inverse_frequencies(bad, 10000.0, 16, torch.ones(5))
+
+
+def test_rotary_tables_are_built_on_one_thread_whatever_torch_was_given():
+    """The tables come from one torch thread (MKL's vector cos once gave one thread's half of a table
+    in its low-accuracy variant in a fresh process) and torch's thread count is left as it was."""
+    from types import SimpleNamespace
+
+    from meshd.shard.llama import Rotary
+
+    cfg = SimpleNamespace(head_dim=64, rope_theta=10000.0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = Rotary(cfg, 4096)
+        one.cover(1024)
+        torch.set_num_threads(2)
+        two = Rotary(cfg, 4096)
+        two.cover(1024)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.cos, two.cos) and torch.equal(one.signed_sin, two.signed_sin)

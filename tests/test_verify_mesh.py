@@ -38,9 +38,7 @@ def peers_seen(d, n: int) -> None:
 
 def local_text(tokens: int) -> str:
     """The reference: `meshd local` in one process over the same split, past end-of-text as the mesh runs are,
-    on one thread as the daemons here run (with the kernel's pool of two threads on a loaded box, 3 of
-    about 60 runs of this 200-token text parted from the rest at token 150, whose top two logits are
-    0.03 apart: being looked into, see the closing note of this change)."""
+    on one thread as the daemons here run."""
     out = subprocess.run([sys.executable, "-m", "meshd.cli", "local", "--threads", "1", "--split", "10,20", "--ignore-eos",
                           "--max-tokens", str(tokens), PROMPT], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr

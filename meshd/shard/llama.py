@@ -123,6 +123,19 @@ class Rotary:
         self._build(min(max_positions, first))
 
     def _build(self, positions: int) -> None:
+        """The tables on one torch thread: torch hands a float `cos` of this size to MKL's vector math in
+        per-thread chunks, and in about 1 of 75 fresh processes on a loaded box (2 threads, the process's
+        first such call) the second thread's half (positions 128-255) came out of MKL's low-accuracy
+        variant, up to 1.5e-4 off: that process's text parted from every other's. One thread gives the
+        usual bits."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._build_tables(positions)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _build_tables(self, positions: int) -> None:
         cfg, freq_factors = self._args
         inv_freq, attention = rope.inverse_frequencies(self.scaling, cfg.rope_theta, cfg.head_dim, freq_factors)
         pos = torch.arange(positions, dtype=torch.float32)
