@@ -1,7 +1,8 @@
 """RoPE scaling (meshd/shard/rope.py) on tiny Llamas: linear, llama3 and yarn, from HF directories and from GGUF
-files written as llama.cpp's converter writes them, past each scaling's knee; and the refusals."""
+files written as llama.cpp's converter writes them, past each scaling's knee; the refusals; the tables' bits whatever torch's threads."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from meshd.shard import footprint, rope
 from meshd.shard.artifact import open_artifact
 from meshd.shard.config import ModelConfig, UnsupportedArchitecture
+from meshd.shard.llama import Rotary
 from meshd.shard.recipe import EXACT, NATIVE
 from meshd.shard.runtime import Shard
 from tests import tiny_models
@@ -265,10 +267,6 @@ def test_rope_freqs_of_the_wrong_length_are_refused():
 def test_rotary_tables_are_built_on_one_thread_whatever_torch_was_given():
     """The tables come from one torch thread (MKL's vector cos once gave one thread's half of a table
     in its low-accuracy variant in a fresh process) and torch's thread count is left as it was."""
-    from types import SimpleNamespace
-
-    from meshd.shard.llama import Rotary
-
     cfg = SimpleNamespace(head_dim=64, rope_theta=10000.0)
     before = torch.get_num_threads()
     try:

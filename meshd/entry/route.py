@@ -53,8 +53,9 @@ def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], floa
     of the measured links (the default when none is): a round trip is measured only when a record
     happens to be pulled or stored, and pricing the others at a constant below what a loaded box
     measures made every measured peer look slow next to them. A peer reached only through relays
-    and never measured is priced at twice the latency of its nearest measured relay (both legs),
-    never below twice that prior, so an unmeasured direct peer wins over an unmeasured relayed one."""
+    and never measured is priced at both legs: its nearest relay's latency (measured, else the
+    prior) plus the prior for the leg behind the relay, so an unmeasured direct peer wins over an
+    unmeasured relayed one."""
     prior = statistics.median(measured.values()) if measured else DEFAULT_LATENCY
     relayed: dict[str, float] = {}
     for r in records:
