@@ -1,5 +1,6 @@
 """RoPE scaling (meshd/shard/rope.py) on tiny Llamas: linear, llama3 and yarn, from HF directories and from GGUF
-files written as llama.cpp's converter writes them, past each scaling's knee; the refusals; the tables' bits whatever torch's threads."""
+files written as llama.cpp's converter writes them, past each scaling's knee; the refusals; the rotary
+tables' bits whatever torch's threads."""
 
 import json
 from types import SimpleNamespace
