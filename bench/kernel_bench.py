@@ -9,6 +9,7 @@ threads each:
     graph built per shape and reused; optional: `bash scripts/bench-extra.sh` builds it)
   - torch: torch's int4 kernel on the layout the lane used before (`quant.pack`, bfloat16 activations)
   - on a CPU with AVX-512 VNNI, also meshd's kernel held to its AVX2 path (the same bits)
+  - where meshd keeps the type in tiles of eight rows (blocks.tiles_pay), also the file's row layout
 Each is timed "hot" (one matrix, in cache) and "cold" (cycling through enough copies to exceed the
 last-level cache, as a decode step meets its weights). Medians of repeated calls; the ratio column
 is ggml's time over meshd's (above 1: meshd is faster).
@@ -170,6 +171,8 @@ def main() -> None:
                 continue
             copies = max(1, min(64, COLD_BYTES // raw.nbytes))
             ours = [blocks.BlockWeight.from_raw(qtype, raw.copy(), k) for _ in range(copies)]
+            rows_too = ours[0].tiled  # then the file's row layout as well, side by side (the same bits)
+            in_rows = [blocks.BlockWeight.from_raw(qtype, raw.copy(), k, tiles=False) for _ in range(copies)] if rows_too else []
             theirs_int4 = quant.pack(quant.RawTensor(label, qtype, (n, k), raw), torch.bfloat16)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k)
@@ -177,6 +180,10 @@ def main() -> None:
                 row = {"type": qname, "shape": [n, k], "what": label, "rows": m}
                 row["meshd_hot_ms"] = median_ms(lambda: ours[0].mm(x), calls)
                 row["meshd_cold_ms"] = median_ms(cycling(ours, lambda w: w.mm(x)), calls)
+                row["layout"] = "tiles" if rows_too else "rows"
+                if rows_too:
+                    row["meshd_rows_hot_ms"] = median_ms(lambda: in_rows[0].mm(x), calls)
+                    row["meshd_rows_cold_ms"] = median_ms(cycling(in_rows, lambda w: w.mm(x)), calls)
                 if blocks.isa() == "avx512":  # the same kernel held to AVX2, as most desktops run it
                     avx2 = [dataclasses.replace(w, at_most="avx2") for w in ours]
                     row["meshd_avx2_hot_ms"] = median_ms(lambda: avx2[0].mm(x), calls)
@@ -201,7 +208,9 @@ def main() -> None:
                       f"   ggml/meshd {row.get('ggml_over_meshd_hot', float('nan')):5.2f} /"
                       f" {row.get('ggml_over_meshd_cold', float('nan')):5.2f}"
                       + (f"   meshd-avx2 {row['meshd_avx2_hot_ms']:8.3f} / {row['meshd_avx2_cold_ms']:8.3f}"
-                         if "meshd_avx2_hot_ms" in row else ""), flush=True)
+                         if "meshd_avx2_hot_ms" in row else "")
+                      + (f"   meshd-rows {row['meshd_rows_hot_ms']:8.3f} / {row['meshd_rows_cold_ms']:8.3f}"
+                         if rows_too else ""), flush=True)
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags")
                     for f in line.split() if f in ("avx2", "avx512f", "avx512_vnni", "avx512vnni", "fma", "f16c")})
     summary = {}

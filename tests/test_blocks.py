@@ -26,11 +26,13 @@ def k_blocks(qt: QT, rows: int, cols: int, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def weight(qt: QT, rows: int, cols: int, seed: int = 0) -> tuple[blocks.BlockWeight, np.ndarray]:
+def weight(qt: QT, rows: int, cols: int, seed: int = 0, tiles: bool | None = None
+           ) -> tuple[blocks.BlockWeight, np.ndarray]:
     rng = np.random.default_rng(seed)
     raw = k_blocks(qt, rows, cols, rng) if qt in K_HALVES else quantize(
         rng.standard_normal((rows, cols)).astype(np.float32), qt)
-    return blocks.BlockWeight.from_raw(qt, raw, cols), dequantize(raw, qt).reshape(rows, cols).astype(np.float64)
+    w = blocks.BlockWeight.from_raw(qt, raw, cols, tiles=tiles)
+    return w, dequantize(raw, qt).reshape(rows, cols).astype(np.float64)
 
 
 def quantized_activations(x: np.ndarray, qt: QT = QT.Q8_0) -> np.ndarray:
@@ -82,7 +84,7 @@ def test_the_portable_path_gives_the_bits_of_the_vector_path(qt):
     if blocks.isa() == "portable":
         pytest.skip("this CPU runs the portable path only")
     w, _ = weight(qt, 67, 512, seed=2)  # 67: a last strip of three
-    portable = blocks.BlockWeight(qt, w.data, w.out_features, w.in_features, portable=True)
+    portable = dataclasses.replace(w, portable=True)
     for m in (1, 5, 128):
         x = torch.randn(m, 512)
         assert torch.equal(portable.mm(x), w.mm(x))
@@ -135,7 +137,7 @@ def test_both_paths_quantize_ties_tiny_and_non_finite_activations_alike(qt):
     x[3, 7], x[3, 300] = float("inf"), float("-inf")
     x[4, 9], x[4, 400] = float("nan"), 3.0
     x[5] = torch.randn(512)  # and a plain row among them
-    portable = blocks.BlockWeight(qt, w.data, 9, 512, portable=True)
+    portable = dataclasses.replace(w, portable=True)
     assert torch.equal(portable.mm(x).view(torch.int32), w.mm(x).view(torch.int32))
 
 
@@ -154,7 +156,97 @@ def test_extreme_codes_and_scales_stay_exact(qt):
         expected = quantized_activations(x.numpy(), qt) @ ref.T
         y = w.mm(x).double().numpy()
         assert np.abs(y - expected).max() <= 1e-5 * max(np.abs(expected).max(), 1.0)
-        assert torch.equal(blocks.BlockWeight(qt, w.data, 6, 512, portable=True).mm(x), w.mm(x))
+        assert torch.equal(dataclasses.replace(w, portable=True).mm(x), w.mm(x))
+
+
+TILE_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+
+
+@pytest.mark.parametrize("qt", TILE_TYPES, ids=lambda q: q.name)
+def test_tiles_give_the_bits_of_rows_on_every_path_batch_and_thread_count(qt):
+    """Eight rows a tile, a register's lanes the rows: the sums of the row layout, bit for bit."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n, k in ((8, 32), (24, 64), (72, 576)):
+            rows, _ = weight(qt, n, k, seed=n, tiles=False)
+            tiles, _ = weight(qt, n, k, seed=n, tiles=True)
+            assert tiles.tiled and not rows.tiled and tiles.data.shape == rows.data.shape
+            for m in (1, 2, 3, 4, 9, 33):
+                x = torch.randn(m, k) * 4
+                x[0, :40] = 0.0  # a block of zeros: d = 0
+                want = rows.mm(x)
+                residual = torch.randn(m, n)
+                added = rows.mm(x, add_to=residual.clone())
+                for path in ({"portable": True}, {"at_most": "avx2"}, {"at_most": "avx512"}):
+                    w = dataclasses.replace(tiles, **path)
+                    for threads in (1, 2, 3):  # 3: shares of whole tiles, one of them empty for n = 8
+                        blocks.set_threads(threads)
+                        assert torch.equal(w.mm(x), want), (n, k, m, path, threads)
+                        assert torch.equal(w.mm(x, add_to=residual.clone()), added), (n, k, m, path, threads)
+    finally:
+        blocks.set_threads(2)
+        torch.set_num_threads(torch_threads)
+    # codes at their extremes: Q8_0's -128 (0x80) and -1 (0xff), every 4-bit code at 15
+    elems, size = GGML_QUANT_SIZES[qt]
+    for fill in (0x80, 0xFF, 0x00):
+        raw = np.full((16, 256 // elems * size), fill, np.uint8)
+        for at in (0, 2) if qt == QT.Q4_1 else (0,):
+            raw.reshape(16, -1, size)[:, :, at:at + 2] = np.array([0.5], np.float16).view(np.uint8)
+        x = torch.where(torch.arange(256) % 3 == 0, -50.0, 50.0).repeat(5, 1)
+        want = blocks.BlockWeight.from_raw(qt, raw, 256, tiles=False).mm(x)
+        assert torch.equal(blocks.BlockWeight.from_raw(qt, raw, 256, tiles=True).mm(x), want), fill
+
+
+def test_a_tile_holds_its_rows_bytes_where_the_kernel_reads_them():
+    """Per tile of eight rows and per block: the eight d halves, Q4_1's eight m halves, then each
+    group of four code bytes, row after row (_blocks_tiles.c)."""
+    rng = np.random.default_rng(7)
+    for qt, head in ((QT.Q4_0, 2), (QT.Q4_1, 4), (QT.Q8_0, 2)):
+        _, size = GGML_QUANT_SIZES[qt]
+        raw = rng.integers(0, 256, (16, 3 * size), dtype=np.uint8)
+        tiled = blocks.tile(qt, raw)
+        assert tiled.shape == raw.shape and sorted(tiled.ravel()) == sorted(raw.ravel())
+        blocks_of = raw.reshape(2, 8, 3, size)  # [tile, row, block, byte]
+        for t in range(2):
+            for b in range(3):
+                tb = tiled.reshape(2, 3, 8 * size)[t, b]  # a tile's blocks follow one another
+                for r in range(8):
+                    block = blocks_of[t, r, b]
+                    assert bytes(tb[2 * r:2 * r + 2]) == bytes(block[:2])  # d
+                    if qt == QT.Q4_1:
+                        assert bytes(tb[16 + 2 * r:18 + 2 * r]) == bytes(block[2:4])  # m
+                    codes = block[head:]
+                    for g in range(len(codes) // 4):
+                        at = 8 * head + 32 * g + 4 * r
+                        assert bytes(tb[at:at + 4]) == bytes(codes[4 * g:4 * g + 4])
+    with pytest.raises(ValueError, match="cannot be tiled"):
+        blocks.tile(QT.Q4_0, np.zeros((12, 18), np.uint8))  # not whole tiles
+    with pytest.raises(ValueError, match="cannot be tiled"):
+        blocks.tile(QT.Q5_0, np.zeros((8, 22), np.uint8))
+
+
+def test_weights_are_tiled_only_where_the_type_rows_and_layout_allow(monkeypatch):
+    monkeypatch.setattr(blocks, "isa", lambda: "avx2")  # where tiles pay
+    assert weight(QT.Q4_0, 16, 64)[0].tiled
+    assert not weight(QT.Q4_0, 12, 64)[0].tiled  # not whole tiles
+    assert not weight(QT.Q5_0, 16, 64)[0].tiled and not weight(QT.Q6_K, 16, 256)[0].tiled
+    blocks.set_layout("rows")
+    try:
+        assert not weight(QT.Q4_1, 16, 64)[0].tiled
+    finally:
+        blocks.set_layout("auto")
+    with pytest.raises(ValueError, match="unknown weight layout"):
+        blocks.set_layout("columns")
+    monkeypatch.setattr(blocks, "isa", lambda: "avx512")
+    assert not weight(QT.Q4_0, 16, 64)[0].tiled
+    # the kernel refuses a tile flag it cannot honour
+    w, _ = weight(QT.Q4_0, 12, 64, tiles=False)
+    with pytest.raises(ValueError, match="unsupported block type"):
+        blocks.KERNEL.matmul(int(QT.Q4_0) | blocks.TILED, w.data.data_ptr(), 36, 12, 64, 0, 0, 0, 1, 0, 0)
+    w, _ = weight(QT.Q5_0, 8, 64)
+    with pytest.raises(ValueError, match="unsupported block type"):
+        blocks.KERNEL.matmul(int(QT.Q5_0) | blocks.TILED, w.data.data_ptr(), 44, 8, 64, 0, 0, 0, 1, 0, 0)
 
 
 def test_k_types_need_whole_super_blocks():
@@ -180,7 +272,7 @@ def test_the_native_fingerprint_covers_the_k_types_activation_recipe():
 
 
 def test_zero_rows_and_subnormal_scales_are_exact():
-    w, ref = weight(QT.Q4_1, 8, 64, seed=3)
+    w, ref = weight(QT.Q4_1, 8, 64, seed=3, tiles=False)
     data = w.data.numpy().copy()
     data[:, 0:2] = np.array([1], np.uint16).view(np.uint8)  # the smallest subnormal half as every row's first d
     w = blocks.BlockWeight(QT.Q4_1, torch.from_numpy(data), 8, 64)
@@ -301,12 +393,19 @@ def test_a_whole_layer_in_one_call_gives_the_bits_of_its_steps():
     hidden, heads, kv_heads, hd, ffn = 128, 4, 2, 32, 96
     rng = np.random.default_rng(5)
 
+    raws = {}
+
     def w(rows, cols, qt=QT.Q4_1):
-        return blocks.BlockWeight.from_raw(qt, quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt), cols)
+        raws[rows, cols, qt] = raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt)
+        return blocks.BlockWeight.from_raw(qt, raw, cols)
 
     p = SimpleNamespace(attn_norm=blocks.Norm(torch.rand(hidden) + 0.5), ffn_norm=blocks.Norm(torch.rand(hidden) + 0.5),
                         wqkv=w((heads + 2 * kv_heads) * hd, hidden), wo=w(hidden, heads * hd, QT.Q8_0),
                         w_gate_up=w(2 * ffn, hidden, QT.Q4_0), w_down=w(hidden, ffn))
+    # the same layer with every weight in the other layout (tiles where the default is rows, or rows)
+    other = SimpleNamespace(**{name: blocks.BlockWeight.from_raw(v.qtype, raws[v.out_features, v.in_features, v.qtype],
+                                                                  v.in_features, tiles=not v.tiled)
+                               if isinstance(v, blocks.BlockWeight) else v for name, v in vars(p).items()})
     rot = Rotary(SimpleNamespace(head_dim=hd, rope_theta=10000.0), 64)
     caches = [[torch.zeros(1, kv_heads, 16, hd, dtype=torch.bfloat16) for _ in range(2)] for _ in range(4)]
     # two sessions in one batch: 3 rows at positions 0.. and 1 row at position 5 (its earlier keys random)
@@ -330,6 +429,9 @@ def test_a_whole_layer_in_one_call_gives_the_bits_of_its_steps():
         again = blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
                              [(0, 3, 0, *caches[0]), (3, 1, 5, *caches[1])], portable=True)
         assert torch.equal(again, fused)
+    again = blocks.layer(x.clone(), blocks.layer_args(other), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                         [(0, 3, 0, *caches[0]), (3, 1, 5, *caches[1])])
+    assert torch.equal(again, fused)
     with pytest.raises(ValueError, match="do not fit"):
         blocks.layer(x.clone(), blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
                      [(0, 4, 14, *caches[0])])

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in (join, local):
         cmd.add_argument("--kernel-isa", choices=["portable", "avx2", "avx512"], help="run the block kernel on at most"
                          " this instruction set (default: the best the CPU has; they compute the same bits)")
+        cmd.add_argument("--kernel-layout", choices=["auto", "rows"], help="keep Q4_0, Q4_1 and Q8_0 weights in tiles"
+                         " of eight rows where that is faster (auto, the default) or in the file's rows (the same bits)")
         cmd.add_argument("--wire-encoding", choices=["raw", "zstd", "auto"], help="how hidden states travel between"
                          " shards: raw float32 (default), zstd, or auto (zstd where it saves a tenth)")
         cmd.add_argument("--chunk-tokens", type=int, help="prompt tokens per prefill chunk (default 128)")
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
             # the settings of the parts below (wire, cache) as a daemon here has them: flags, MESHD_*, config file
             load_settings({"wire_encoding": args.wire_encoding, "chunk_tokens": args.chunk_tokens,
-                           "kernel_isa": args.kernel_isa},
+                           "kernel_isa": args.kernel_isa, "kernel_layout": args.kernel_layout},
                           args.config if hasattr(args, "config") else None).configure()
             return run_local(args)
     except KeyboardInterrupt:

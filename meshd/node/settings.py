@@ -48,6 +48,7 @@ class Settings:
     recipe: str = "auto"
     threads: int = 0  # torch threads for tensor work; 0: one per core
     kernel_isa: str = ""  # the block kernel's instruction set at most (portable, avx2, avx512); empty: the CPU's best
+    kernel_layout: str = "auto"  # weights in tiles where they pay (auto) or in the file's rows (rows); same bits
     http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""
@@ -98,6 +99,10 @@ class Settings:
             from meshd.shard import blocks
 
             blocks.limit_isa(self.kernel_isa)
+        if self.kernel_layout != "auto":
+            from meshd.shard import blocks
+
+            blocks.set_layout(self.kernel_layout)
         wire.set_default_encoding(self.wire_encoding)
         wire.set_chunk_tokens(self.chunk_tokens)
         set_cache_dir(self.cache_dir or default_cache_dir())

@@ -25,12 +25,14 @@
  *
  * Parts, compiled as this one unit (so each path inlines the helpers it shares with another):
  * _blocks.h (block types, halves, scales), _blocks_portable.c (activations, plain C),
- * _blocks_avx2.c (with _blocks_avx512.c, which it includes), _blocks_pool.c (dispatch by CPU, the
+ * _blocks_avx2.c (with _blocks_avx512.c, which it includes), _blocks_tiles.c (Q4_0, Q4_1 and Q8_0
+ * weights repacked eight rows a tile, every path), _blocks_pool.c (dispatch by CPU, the
  * thread pool), _blocks_layer.c (norms, attention, RoPE, SiLU); this file: the calls Python makes.
  */
 #include "_blocks.h"
 #include "_blocks_portable.c"
 #include "_blocks_avx2.c"
+#include "_blocks_tiles.c"
 #include "_blocks_pool.c"
 #include "_blocks_layer.c"
 
@@ -124,10 +126,23 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* y = x @ W.T (or y += it), x quantized per row first; -1 when out of memory. */
 typedef struct {
-    int qtype;
+    int qtype, tiled;
     const uint8_t *w;
     int64_t row_bytes, n, k;
 } WRef;
+
+/* A weight's qtype as Python passes it (TILED or-ed in where the weight is in tiles) into w; 0 when
+ * the sizes fit, else -1 with the error set. */
+static int set_wref(WRef *w, long long qtype, const uint8_t *data, int64_t row_bytes, int64_t n, int64_t k,
+                    const char *name) {
+    *w = (WRef){(int)(qtype & ~TILED), (qtype & TILED) != 0, data, row_bytes, n, k};
+    if (row_bytes_of(w->qtype, k) == 0 || row_bytes != row_bytes_of(w->qtype, k) || n < 0 ||
+        (w->tiled && (!tiles_type(w->qtype) || n % TILE))) {
+        PyErr_Format(PyExc_ValueError, "%s: unsupported block type or inconsistent sizes", name);
+        return -1;
+    }
+    return 0;
+}
 
 static int matmul_c(const WRef *wr, const float *x, int64_t m, float *y, int threads, int isa, int accumulate) {
     int k_type = block_elems(wr->qtype) == QKK;
@@ -141,7 +156,7 @@ static int matmul_c(const WRef *wr, const float *x, int64_t m, float *y, int thr
 #endif
     if (k_type) quantize_rows_k(x, m, wr->k, xq);
     else quantize_rows(x, m, wr->k, xq);
-    MatJob mj = {wr->qtype, isa, accumulate, wr->w, wr->row_bytes, wr->n, m, nb, xq, y};
+    MatJob mj = {wr->qtype, isa, accumulate, wr->tiled, wr->w, wr->row_bytes, wr->n, m, nb, xq, y};
     Job j = {matmul_part, &mj, 1};
     run_job(&j, threads < 1 ? 1 : threads);
     free(xq);
@@ -159,13 +174,14 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         v[i] = PyLong_AsLongLong(args[i]);
         if (v[i] == -1 && PyErr_Occurred()) return NULL;
     }
-    int qtype = (int)v[0], threads = (int)v[8], portable = (int)v[9];
-    int64_t row_bytes = v[2], n = v[3], k = v[4], m = v[6];
-    if (row_bytes_of(qtype, k) == 0 || row_bytes != row_bytes_of(qtype, k) || n < 0 || m < 0) {
-        PyErr_SetString(PyExc_ValueError, "matmul: unsupported block type or inconsistent sizes");
+    int threads = (int)v[8], portable = (int)v[9];
+    int64_t m = v[6];
+    WRef wr;
+    if (set_wref(&wr, v[0], (const uint8_t *)(intptr_t)v[1], v[2], v[3], v[4], "matmul") < 0) return NULL;
+    if (m < 0) {
+        PyErr_SetString(PyExc_ValueError, "matmul: a negative row count");
         return NULL;
     }
-    WRef wr = {qtype, (const uint8_t *)(intptr_t)v[1], row_bytes, n, k};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = matmul_c(&wr, (const float *)(intptr_t)v[5], m, (float *)(intptr_t)v[7], threads, isa_for(portable),
@@ -222,12 +238,7 @@ done:
 static int read_wref(PyObject *const *args, WRef *w, int64_t k) {
     long long v[4];
     if (read_longs(args, 4, 4, v, "layer") < 0) return -1;
-    *w = (WRef){(int)v[0], (const uint8_t *)(intptr_t)v[1], v[2], v[3], k};
-    if (row_bytes_of(w->qtype, k) == 0 || w->row_bytes != row_bytes_of(w->qtype, k)) {
-        PyErr_SetString(PyExc_ValueError, "layer: a weight's block type or sizes do not fit");
-        return -1;
-    }
-    return 0;
+    return set_wref(w, v[0], (const uint8_t *)(intptr_t)v[1], v[2], v[3], k, "layer");
 }
 
 /* layer(y, R, H, eps, attn_norm, ffn_norm, wqkv x4, wo x4, wgu x4, wdown x4, cos, ssin, nh, nkv, hd,

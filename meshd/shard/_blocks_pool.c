@@ -25,7 +25,7 @@ static int isa_for(long long cap) {
 
 /* A matmul's share of work: output features [n0, n1) of every row. */
 typedef struct {
-    int qtype, isa, accumulate;
+    int qtype, isa, accumulate, tiled; /* tiled: the weight is in tiles of TILE rows (_blocks_tiles.c) */
     const uint8_t *w;
     int64_t row_bytes, n, m, nb; /* nb: x's blocks a row (32-wide, or 256-wide for a K type) */
     const void *xq;              /* XBlock or, for a K type, XKBlock */
@@ -72,12 +72,21 @@ static inline void cpu_relax(void) {
 
 static void matmul_part(const void *ctx, int part, int parts) {
     const MatJob *j = ctx;
-    /* split into whole strips so every thread's share starts on a strip boundary */
-    int64_t strips = (j->n + STRIP - 1) / STRIP;
+    /* split into whole strips (or tiles) so every thread's share starts on a strip's boundary */
+    int64_t unit = j->tiled ? TILE : STRIP, strips = (j->n + unit - 1) / unit;
     int64_t s0 = strips * part / parts, s1 = strips * (part + 1) / parts;
-    int64_t n0 = s0 * STRIP, n1 = s1 * STRIP < j->n ? s1 * STRIP : j->n;
+    int64_t n0 = s0 * unit, n1 = s1 * unit < j->n ? s1 * unit : j->n;
     if (n0 >= n1) return;
     int k_type = block_elems(j->qtype) == QKK;
+    if (j->tiled) {
+#if HAVE_X86
+        if (j->isa == ISA_AVX512) rows_tiled_vnni(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        else if (j->isa) rows_tiled_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        else
+#endif
+        rows_tiled_portable(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        return;
+    }
 #if HAVE_X86
     if (j->isa == ISA_AVX512) {
         if (k_type) rows_avx512_k(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);

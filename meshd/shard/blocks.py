@@ -115,9 +115,49 @@ def _cap(portable: bool, at_most: str) -> int:
     return ISAS.index(at_most) + 1 if at_most else 0
 
 
+TILE = 8  # rows a tile holds (_blocks_tiles.c)
+TILED = 0x100  # or-ed into the kernel's qtype argument where the weight is in tiles
+TILE_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0}
+
+
+LAYOUTS = ("auto", "rows")  # auto: tiles where they pay (tiles_pay); rows: the file's order always
+_layout = "auto"
+
+
+def set_layout(name: str) -> None:
+    """How weights loaded from now on are laid out: "auto" or "rows" (the bits are the same; benches
+    compare the two with it, an operator may pin rows)."""
+    global _layout
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {name!r}: one of {', '.join(LAYOUTS)}")
+    _layout = name
+
+
+def tiles_pay() -> bool:
+    """Whether this process keeps Q4_0, Q4_1 and Q8_0 weights in tiles: where the kernel runs on AVX2
+    (the other paths read tiles too, and give the same bits)."""
+    return _layout == "auto" and isa() == "avx2"
+
+
+def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
+    """A [n, row bytes] matrix of GGUF blocks (n a multiple of TILE) as tiles: the same bytes, the
+    same shape, reordered as _blocks_tiles.c lays them out (per tile of eight rows and per block: the
+    rows' d halves, Q4_1's m halves, then each group of four code bytes, row after row)."""
+    n, row_bytes = rows.shape
+    _, size = GGML_QUANT_SIZES[qtype]
+    if qtype not in TILE_TYPES or n % TILE or row_bytes % size:
+        raise ValueError(f"{qtype.name} [{n}, {row_bytes}] bytes cannot be tiled")
+    nb, head, t = row_bytes // size, (4 if qtype == QT.Q4_1 else 2), n // TILE
+    b = rows.reshape(t, TILE, nb, size)
+    halves = b[..., :head].reshape(t, TILE, nb, head // 2, 2).transpose(0, 2, 3, 1, 4).reshape(t, nb, -1)
+    codes = b[..., head:].reshape(t, TILE, nb, (size - head) // 4, 4).transpose(0, 2, 3, 1, 4).reshape(t, nb, -1)
+    return np.concatenate([halves, codes], axis=2).reshape(n, row_bytes)
+
+
 @dataclass
 class BlockWeight:
-    """A [out, in] matrix as GGUF blocks: `data` is uint8 [out, bytes per row], the file's bytes."""
+    """A [out, in] matrix as GGUF blocks: `data` is uint8 [out, bytes per row], the file's bytes,
+    in rows or (`tiled`) reordered into tiles of eight rows: the same bytes and the same bits out."""
 
     qtype: QT
     data: torch.Tensor
@@ -125,14 +165,25 @@ class BlockWeight:
     in_features: int
     portable: bool = False  # force the portable C path (tests compare it with AVX2)
     at_most: str = ""  # an instruction set (ISAS) to stay within; "" the best this CPU has
+    tiled: bool = False
 
     @classmethod
-    def from_raw(cls, qtype: QT, rows: np.ndarray, cols: int) -> "BlockWeight":
-        data = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.uint8))
+    def from_raw(cls, qtype: QT, rows: np.ndarray, cols: int, tiles: bool | None = None) -> "BlockWeight":
+        """The matrix from its GGUF rows; in tiles where `tiles` (None: where they pay here and the
+        type and row count allow; pass False for bytes shared with something that reads rows)."""
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
         block, size = GGML_QUANT_SIZES[qtype]
-        if data.ndim != 2 or cols % block or data.shape[1] != cols // block * size:
-            raise ValueError(f"{qtype.name}: {tuple(data.shape)} bytes do not hold rows of {cols}")
-        return cls(qtype, data, data.shape[0], cols)
+        if rows.ndim != 2 or cols % block or rows.shape[1] != cols // block * size:
+            raise ValueError(f"{qtype.name}: {tuple(rows.shape)} bytes do not hold rows of {cols}")
+        if tiles is None:
+            tiles = tiles_pay() and qtype in TILE_TYPES and rows.shape[0] % TILE == 0
+        data = torch.from_numpy(tile(qtype, rows) if tiles else rows)
+        return cls(qtype, data, data.shape[0], cols, tiled=bool(tiles))
+
+    @property
+    def kernel_type(self) -> int:
+        """The block type as the kernel takes it (TILED or-ed in for tiles)."""
+        return int(self.qtype) | (TILED if self.tiled else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -155,7 +206,7 @@ class BlockWeight:
             raise ValueError(f"cannot add a [{m}, {self.out_features}] product into {tuple(add_to.shape)} {add_to.dtype}")
         else:
             y = add_to
-        KERNEL.matmul(int(self.qtype), self.data.data_ptr(), self.data.shape[1], self.out_features,
+        KERNEL.matmul(self.kernel_type, self.data.data_ptr(), self.data.shape[1], self.out_features,
                       self.in_features, x.data_ptr(), m, y.data_ptr(), _pool_threads(), _cap(self.portable, self.at_most),
                       int(add_to is not None))
         return y
@@ -248,7 +299,7 @@ def silu_mul(gate_up: torch.Tensor, portable: bool = False) -> torch.Tensor:
 def layer_args(p) -> tuple:
     """A Llama layer's weights as `layer` takes them (each: block type, data, row bytes, out features)."""
     def ref(w: BlockWeight) -> tuple:
-        return (int(w.qtype), w.data.data_ptr(), w.data.shape[1], w.out_features)
+        return (w.kernel_type, w.data.data_ptr(), w.data.shape[1], w.out_features)
 
     return (p.attn_norm.weight.data_ptr(), p.ffn_norm.weight.data_ptr(),
             *ref(p.wqkv), *ref(p.wo), *ref(p.w_gate_up), *ref(p.w_down))

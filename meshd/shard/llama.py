@@ -274,7 +274,7 @@ def lm_head(artifact, recipe, names: dict, head: dict | None = None):
         if recipe.weight_dtype == "float32":
             return table
         if isinstance(table, QuantRows) and blocks.available(table.qtype):
-            return blocks.BlockWeight.from_raw(table.qtype, table.data.numpy(), table.shape[1])
+            return blocks.BlockWeight.from_raw(table.qtype, table.data.numpy(), table.shape[1], tiles=False)
     return load_matrix(artifact, [names["lm_head"]], recipe)
 
 

@@ -1,0 +1,159 @@
+/* Tiles: Q4_0, Q4_1 and Q8_0 weights repacked eight rows at a time, so that a register's eight
+ * lanes are eight rows and one pass over a block computes all of them. Part of _blocks.c (see the
+ * rules there), after the AVX2 path.
+ *
+ * The layout. Tile t holds rows 8t..8t+7; it is nb tile-blocks in K order, each 8 * block_bytes
+ * bytes (the rows' bytes, reordered: a tiled tensor is exactly as large as the file's):
+ *   the eight rows' halves d (16 bytes), for Q4_1 then their halves m (16 bytes), then the codes:
+ *   group g holds, row after row, the four bytes of that row's codes that meet x's elements
+ *   4g..4g+3: Q8_0 eight groups (its codes are bytes), Q4_0 / Q4_1 four (bytes 4g..4g+3 hold
+ *   elements 4g..4g+3 in their low nibbles and 16+4g.. in their high ones).
+ *
+ * Why: in the row layout each row's block is summed on its own, its scale converted and broadcast
+ * as a scalar, then reduced across lanes; here lane r of "group register" g is row r's exact integer
+ * sum over elements 4g..4g+3 (one maddubs + madd against x's four bytes broadcast), and the scales of
+ * eight rows are one F16C conversion. The float steps are the row layout's exactly: per row, lane g
+ * accumulates fmaf(a * xd, sum_g) in K order, the offsets fmaf(c, xs) in K order, then the same fixed
+ * horizontal sum (lanes_sum, here eight adds across registers) and the offset. So a tiled tensor
+ * gives the row layout's bits on every path (tested), and the tensor streams from memory as one run
+ * of bytes per thread.
+ */
+#include "_blocks.h"
+
+enum { TILE = 8, TILED = 0x100 }; /* TILED: or-ed into a call's qtype where its weight is tiled */
+/* How far ahead of the block being summed its thread asks for its run of tiles: none left a one-row
+ * call waiting on memory (1.7x the time of the row layout's, whose strips fetch eight ahead); 8 and 16
+ * KB were best, 1 KB little better than none (Q4_0 and Q8_0, 2048- and 8192-wide, one thread,
+ * thread CPU time, CPU avx2 avx512f held to AVX2). */
+static const int TILE_AHEAD = 8192;
+
+static inline int tiles_type(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
+
+/* Bytes before a tile-block's codes: the eight d halves, and Q4_1's eight m halves. */
+static inline int tile_head(int qtype) { return qtype == Q4_1 ? 32 : 16; }
+
+/* Row r (0..7) of tile-block `tb` back in the file's block layout, into `out` (block_bytes). */
+static void untile_block(int qtype, const uint8_t *tb, int r, uint8_t *out) {
+    int head = tile_head(qtype), groups = qtype == Q8_0 ? 8 : 4;
+    memcpy(out, tb + 2 * r, 2);
+    if (qtype == Q4_1) memcpy(out + 2, tb + 16 + 2 * r, 2);
+    uint8_t *codes = out + (qtype == Q4_1 ? 4 : 2);
+    for (int g = 0; g < groups; g++) memcpy(codes + 4 * g, tb + head + 32 * g + 4 * r, 4);
+}
+
+/* The portable path over tiles: each tile back in rows (a stack buffer), then the row path. */
+static void rows_tiled_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    int bb = block_bytes(qtype);
+    uint8_t *rows = malloc((size_t)TILE * row_bytes);
+    if (!rows) abort(); /* a few KB; the caller's buffers were larger */
+    for (int64_t c0 = n0; c0 < n1; c0 += TILE) {
+        const uint8_t *tile = w + c0 * row_bytes;
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < TILE; r++) untile_block(qtype, tile + b * TILE * bb, r, rows + r * row_bytes + b * bb);
+        rows_portable(qtype, rows, row_bytes, 0, TILE, n, xq, m, nb, y + c0, accumulate);
+    }
+    free(rows);
+}
+
+#if HAVE_X86
+
+/* Eight rows' sums from the eight group registers: lanes_sum's order, lane by lane, plus the offsets. */
+AVX2 static inline void tile_finish(const __m256 *acc, __m256 off, float *out, int accumulate) {
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+                             _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+    s = _mm256_add_ps(s, off);
+    _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), s) : s);
+}
+
+/* Lane r: row r's exact integer sum of its four codes in u against x's four bytes q4 (broadcast). */
+AVX2 static inline __m256i tile_dot_avx2(const int sgn, __m256i u, __m256i q4) {
+    __m256i p = sgn ? _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q4, u)) : _mm256_maddubs_epi16(u, q4);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+#define VNNI __attribute__((target("avx512f,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* The same integers with VNNI's vpdpbusd (no int16 step: |u| <= 128 and |q| <= 127 never saturate
+ * maddubs either, so both give the exact sum). */
+VNNI static inline __m256i tile_dot_vnni(const int sgn, __m256i u, __m256i q4) {
+    if (sgn) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(u, u), _mm256_sign_epi8(q4, u));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q4);
+}
+
+/* One x row against one tile: every block once, the eight rows in the lanes. Inlined with constant
+ * qtype and dot, so the branches fold away and the accumulators stay in registers. */
+#define TILE_BODY(DOT)                                                                                      \
+    {                                                                                                       \
+        const int sgn = signed_codes(qtype), bb8 = TILE * block_bytes(qtype), head = tile_head(qtype);     \
+        __m256 acc[8], off = _mm256_setzero_ps();                                                           \
+        for (int g = 0; g < 8; g++) acc[g] = _mm256_setzero_ps();                                           \
+        const __m256i m4 = _mm256_set1_epi8(0x0f);                                                          \
+        for (int64_t b = 0; b < nb; b++) {                                                                  \
+            const uint8_t *tb = tile + b * bb8;                                                             \
+            for (int p = 0; p < bb8; p += 64) _mm_prefetch((const char *)tb + TILE_AHEAD + p, _MM_HINT_T0); \
+            int32_t x4[8];                                                                                  \
+            memcpy(x4, xr[b].q, sizeof x4);                                                                 \
+            __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tb));                               \
+            __m256 scale = _mm256_mul_ps(a, _mm256_set1_ps(xr[b].d));                                       \
+            if (qtype == Q4_0)                                                                              \
+                off = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(-8.0f)), _mm256_set1_ps(xr[b].s), off); \
+            else if (qtype == Q4_1)                                                                         \
+                off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 16))),          \
+                                      _mm256_set1_ps(xr[b].s), off);                                        \
+            const uint8_t *codes = tb + head;                                                               \
+            if (sgn) {                                                                                      \
+                for (int g = 0; g < 8; g++) {                                                               \
+                    __m256i u = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));                      \
+                    __m256 s = _mm256_cvtepi32_ps(DOT(1, u, _mm256_set1_epi32(x4[g])));                     \
+                    acc[g] = _mm256_fmadd_ps(scale, s, acc[g]);                                             \
+                }                                                                                           \
+            } else {                                                                                        \
+                for (int g = 0; g < 4; g++) {                                                               \
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));                      \
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4); \
+                    __m256 sl = _mm256_cvtepi32_ps(DOT(0, lo, _mm256_set1_epi32(x4[g])));                   \
+                    __m256 sh = _mm256_cvtepi32_ps(DOT(0, hi, _mm256_set1_epi32(x4[g + 4])));               \
+                    acc[g] = _mm256_fmadd_ps(scale, sl, acc[g]);                                            \
+                    acc[g + 4] = _mm256_fmadd_ps(scale, sh, acc[g + 4]);                                    \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        tile_finish(acc, off, out, accumulate);                                                             \
+    }
+
+AVX2 static inline __attribute__((always_inline)) void
+tile_avx2(const int qtype, const uint8_t *tile, const XBlock *xr, int64_t nb, float *out, int accumulate)
+TILE_BODY(tile_dot_avx2)
+
+VNNI static inline __attribute__((always_inline)) void
+tile_vnni(const int qtype, const uint8_t *tile, const XBlock *xr, int64_t nb, float *out, int accumulate)
+TILE_BODY(tile_dot_vnni)
+
+/* Every x row against each tile in turn (a tile is 8 row_bytes: it stays in cache while the x rows
+ * meet it). */
+#define ROWS_TILED(KERNEL_FN)                                                                               \
+    {                                                                                                       \
+        for (int64_t c0 = n0; c0 < n1; c0 += TILE) {                                                        \
+            const uint8_t *tile = w + c0 * row_bytes;                                                       \
+            for (int64_t r = 0; r < m; r++) {                                                               \
+                const XBlock *xr = xq + r * nb;                                                             \
+                float *out = y + r * n + c0;                                                                \
+                switch (qtype) {                                                                            \
+                case Q4_0: KERNEL_FN(Q4_0, tile, xr, nb, out, accumulate); break;                           \
+                case Q4_1: KERNEL_FN(Q4_1, tile, xr, nb, out, accumulate); break;                           \
+                default: KERNEL_FN(Q8_0, tile, xr, nb, out, accumulate); break;                             \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+AVX2 static void rows_tiled_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate)
+ROWS_TILED(tile_avx2)
+
+VNNI static void rows_tiled_vnni(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
+                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate)
+ROWS_TILED(tile_vnni)
+
+#endif
