@@ -75,15 +75,7 @@ class Shard:
             factors = {name: torch.from_numpy(artifact.read(name)).float()
                        for name in rope.tensor_names(cfg.rope_scaling)}
             self.rope_tensors = list(factors.values())
-            # a family with rotary tables of its own (Gemma 3: one per kind of layer) builds them; a longrope
-            # model has a table per kind of session (rope.py), each reaching the positions it rotates
-            make_rotary = getattr(self.family, "rotary", None)
-            self.rotaries = ({rope.SHORT: make_rotary(cfg, *self.rope_tensors)} if make_rotary is not None
-                             else {table: llama.Rotary(cfg, self.table_positions(table),
-                                                       factors.get(rope.factors_tensor(cfg.rope_scaling, table)),
-                                                       table=table)
-                                   for table in rope.tables(cfg.rope_scaling)} if cfg.family != "gpt2"
-                             else {rope.SHORT: None})
+            self.rotaries = self._rotaries(factors)
             self.rotary = self.rotaries[rope.SHORT]
         trim_heap()
         self.load_seconds = time.perf_counter() - t0
@@ -94,6 +86,19 @@ class Shard:
                           kv_budget_bytes, kv_ttl_s)
         log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
                  params=self.n_params, weight_mb=round(self.weight_bytes / 1e6, 1), seconds=round(self.load_seconds, 2))
+
+    def _rotaries(self, factors: dict[str, torch.Tensor]) -> dict:
+        """The rotary tables by the RoPE table a session opens with: one for most models, a longrope
+        model's short and long ones (rope.py), each reaching the positions it rotates."""
+        cfg = self.config
+        make_rotary = getattr(self.family, "rotary", None)
+        if make_rotary is not None:  # a family with tables of its own (Gemma 3: one per kind of layer)
+            return {rope.SHORT: make_rotary(cfg, *factors.values())}
+        if cfg.family == "gpt2":  # learned positions
+            return {rope.SHORT: None}
+        return {table: llama.Rotary(cfg, self.table_positions(table),
+                                    factors.get(rope.factors_tensor(cfg.rope_scaling, table)), table=table)
+                for table in rope.tables(cfg.rope_scaling)}
 
     @property
     def is_head(self) -> bool:
