@@ -46,7 +46,7 @@ async def test_metrics_record_each_generation_through_the_front_door():
 
     async def run(req, emit):
         await emit(StreamEvent(request_id=1, kind="text", text="Hello"))
-        return {"tokens": 1, "ttft_s": 0.01, "route": [["me", 0, 30]], "reroutes": 0}
+        return {"tokens": 1, "ttft_s": 0.01, "route": [["me", 0, 30]], "reroutes": 0, "rope_switched_at": 25}
 
     async def emit(event):
         seen.append(event.text)
@@ -61,6 +61,7 @@ async def test_metrics_record_each_generation_through_the_front_door():
     failed, ok = metrics.recent.entries()
     assert ok["route"] == [["me", 0, 30]] and ok["tokens"] == 1 and seen == ["Hello"]
     assert failed["outcome"] == "cancelled" and "Hello" not in json.dumps(metrics.recent.entries())
+    assert metrics.registry.get_sample_value("meshd_rope_switches_total") == 1  # a longrope generation switched
 
 
 async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():

@@ -34,6 +34,8 @@ def all_messages():
         w.OpenSession(request_id=1, session_id=SID, epoch=0, start=10, end=20, model_fingerprint="m",
                       recipe_fingerprint="r", max_length=512, temperature=0.7, top_k=40, top_p=0.9, seed=5,
                       next_peer="12D3KooNext", next_addrs="/ip4/127.0.0.1/tcp/1 /ip4/10.0.0.1/tcp/2"),
+        w.OpenSession(request_id=2, session_id=SID, epoch=1, start=0, end=6, model_fingerprint="m",
+                      recipe_fingerprint="r", rope_table=1),
         w.Opened(request_id=1, session_id=SID, epoch=0, forwarding=True),
         forward(t),
         w.ForwardBatch.of([forward(t), forward(t, session_id=bytes(16), step=8, phase=w.Phase.DECODE)]),
@@ -166,6 +168,22 @@ GOOD_HB = {"v": w.PROTOCOL_VERSION, "t": int(w.MsgType.HEARTBEAT), "f": [1, 0.0]
 
 def test_raw_frame_helper_matches_encoder():
     assert decode_all(raw_frame(GOOD_HB)) == [w.Heartbeat(seq=1, sent_at=0.0)]
+
+
+def test_a_late_field_may_be_left_off_and_is_at_its_default():
+    """OpenSession.rope_table came within protocol 6: an earlier build's frame (without it) opens a short
+    session, and a short session's frame is the earlier build's, byte for byte; a long one carries it."""
+    short = w.OpenSession(request_id=1, session_id=SID, epoch=0, start=0, end=6, model_fingerprint="m",
+                          recipe_fingerprint="r")
+    fields = msgpack.unpackb(w.encode(short)[PREAMBLE.size:], raw=False)["f"]
+    assert len(fields) == len(w.OpenSession.FIELD_CHECKS) - 1
+    assert decode_all(raw_frame({"v": w.PROTOCOL_VERSION, "t": int(w.MsgType.OPEN), "f": fields, "x": []})) == [short]
+    long = w.OpenSession(**{**{n: getattr(short, n) for n, _ in short.FIELD_CHECKS}, "rope_table": 1})
+    assert msgpack.unpackb(w.encode(long)[PREAMBLE.size:], raw=False)["f"] == [*fields, 1]
+    with pytest.raises(w.MalformedFrame, match="expected 16 fields \\(or 15"):
+        decode_all(raw_frame({"v": w.PROTOCOL_VERSION, "t": int(w.MsgType.OPEN), "f": fields[:-1], "x": []}))
+    with pytest.raises(w.MalformedFrame, match="'rope_table'"):
+        decode_all(raw_frame({"v": w.PROTOCOL_VERSION, "t": int(w.MsgType.OPEN), "f": [*fields, "long"], "x": []}))
 
 
 @pytest.mark.parametrize("header,payload,error,match", [

@@ -355,7 +355,7 @@ def _finish(w: gguf.GGUFWriter) -> None:
     w.close()
 
 
-def tiny_phi3(seed: int = 0, longrope: bool = True, original: int = 64):
+def tiny_phi3(seed: int = 0, longrope: bool = True, original: int = 64, vocab: int = VOCAB):
     """A Phi-3 (fused qkv_proj and gate_up_proj); with `longrope`, the scaling of Phi-3-mini-128k: its own
     short and long factors per frequency, a context of 256 over a pretraining context of `original`."""
     from transformers import Phi3Config, Phi3ForCausalLM
@@ -365,7 +365,7 @@ def tiny_phi3(seed: int = 0, longrope: bool = True, original: int = 64):
     rope = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [float(f) for f in rng.uniform(1.0, 2.5, 8)],
             "long_factor": [float(f) for f in rng.uniform(2.0, 8.0, 8)]} if longrope else {"rope_theta": 10000.0}
-    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    cfg = Phi3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                      original_max_position_embeddings=original, rms_norm_eps=1e-5, initializer_range=0.15,
                      bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_parameters=rope)

@@ -41,6 +41,8 @@ class Metrics:
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.hop_failures = Counter("meshd_hop_failures", "Hops that failed under a generation", registry=r)
         self.reroutes = Counter("meshd_reroutes", "Generations moved to a new route", registry=r)
+        self.rope_switches = Counter("meshd_rope_switches", "Generations of a longrope model (Phi-3) opened again"
+                                     " on its long RoPE table as they grew past its switch", registry=r)
         self.recent = RecentGenerations()  # timings and routes of the last generations, for the dashboard
         r.register(_Live(daemon))
 
@@ -96,6 +98,7 @@ class Metrics:
         self.accepted.inc(stats.get("accepted", 0))
         self.reroutes.inc(stats.get("reroutes", 0))
         self.hop_failures.inc(stats.get("reroutes", 0))
+        self.rope_switches.inc(1 if stats.get("rope_switched_at") else 0)  # 0: its prompt was past the switch
         return stats
 
 

@@ -22,7 +22,7 @@ import time
 import trio
 
 from meshd.entry.checks import Verdict, differing_peers, judge, settle, swapped, unchecked_layers
-from meshd.entry.errors import GenerationError, RoutesDisagree, first_of
+from meshd.entry.errors import GenerationError, RoutesDisagree, SwitchTable, first_of
 from meshd.entry.route import Route
 from meshd.entry.state import Generation
 from meshd.hop import sketch
@@ -75,6 +75,9 @@ async def run_checked(entry, req, gen: Generation, sampling, retries, text, emit
             if gen.accept(token):
                 await entry.emit_token(req, gen, text, token, emit)
                 return
+            if gen.past_switch:  # both routes open again on the long table (see Entry._decode)
+                await entry.emit_token(req, gen, text, token, emit)
+                raise SwitchTable(len(gen.ids) + len(gen.tokens), gen.switch)
             position = len(gen.ids) + len(gen.tokens) - 1
             step = len(gen.tokens)
             async with trio.open_nursery() as overlap:  # the text goes out while both routes compute on

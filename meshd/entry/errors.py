@@ -1,5 +1,6 @@
 """How a generation fails: a hop that failed or is full (`HopFailed`), or the generation itself
-(`GenerationError`, with the wire's error code the client gets)."""
+(`GenerationError`, with the wire's error code the client gets); and how a try at it ends on purpose
+to start again (`SwitchTable`)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             exc = first_of(exc)
-        if isinstance(exc, (HopFailed, GenerationError, RoutesDisagree)):
+        if isinstance(exc, (HopFailed, GenerationError, RoutesDisagree, SwitchTable)):
             return exc
     return group
 
@@ -72,3 +73,13 @@ class RoutesDisagree(RuntimeError):
         self.hops = tuple(hops)  # the routes' planned `Hop`s (addresses), to build trial routes from
         self.sketches, self.seed = sketches, seed  # each route's hops' sketches of the step (meshd/hop/sketch.py)
         super().__init__(f"routes disagree at generated token {position}: {tokens[0]} against {tokens[1]}")
+
+
+class SwitchTable(Exception):
+    """A generation's sequence grew past its longrope model's short RoPE table: the try ends, its sessions
+    are released, and the next try opens them on the long table and computes the sequence anew
+    (`meshd/entry/state.py`). Not a failure: nothing is retried or blamed."""
+
+    def __init__(self, length: int, switch: int):
+        self.length, self.switch = length, switch
+        super().__init__(f"the sequence of {length} positions is past the short RoPE table's {switch}")

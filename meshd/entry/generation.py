@@ -9,6 +9,9 @@ in a pass, and a token's text goes to the client while its next step already run
 makes the entry plan a new route (new epoch) without that peer and replay the prompt and the tokens
 so far: the client sees a pause, not an error, while the mesh still covers the model
 (`meshd/entry/policy.py` decides). Close, cancel or a vanished client release the KV on every hop.
+A generation of a longrope model (Phi-3) that grows past its short RoPE table ends its try
+(`SwitchTable`) and opens a route again on the long table, computing the whole sequence anew as
+transformers does (`meshd/entry/state.py`).
 Planning and opening a route are `meshd/entry/opening.py`'s; driving one is `meshd/entry/attempt.py`'s.
 
 An `Entry` belongs to one loaded range (the daemon makes a new one when it moves): a generation that
@@ -27,13 +30,14 @@ from meshd.entry.attempt import Attempt
 from meshd.entry.checked import run_checked, settle_disagreement
 from meshd.entry.checks import Check, Exclusions, chosen
 from meshd.entry.drafts import DRAFT_MAX, Drafts, StepCosts, worth_drafting
-from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, first_of, outcome_of
+from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, SwitchTable, first_of, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.opening import Routes
 from meshd.entry.policy import BUSY_WAIT_S, Retries
 from meshd.entry.route import Route
 from meshd.entry.state import Generation, stop_ids
 from meshd.node.log import get_logger
+from meshd.shard import rope
 from meshd.shard.sampler import SamplingParams
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
 from meshd.wire import ErrorCode, GenerateRequest, Phase, StreamEvent
@@ -75,7 +79,8 @@ class Entry:
         except (ValueError, TypeError, KeyError) as exc:  # a bad conversation, no chat template, bad sampling
             raise GenerationError(ErrorCode.BAD_FRAME, f"bad request (prompt, conversation or sampling): {exc}") from None
         stop = stop_ids(self.config, self.tokenizer, req.ignore_eos)
-        gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop)
+        gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop,
+                               rope.switch(self.config.rope_scaling))
         drafts = self.drafts_for(req)
         # a check runs without drafts (meshd/entry/checked.py), and a sampled generation's text depends on
         # which steps drafted: a check drawn at random takes only generations whose text it cannot change
@@ -140,6 +145,8 @@ class Entry:
                 break
             except RoutesDisagree as exc:  # nothing was emitted: settle it, then go on around the liar
                 disagreed = exc
+            except SwitchTable:  # the next try opens its sessions on the long table (see Routes.open_route)
+                pass
             except HopFailed as exc:
                 if exc.busy_s is not None:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
@@ -184,11 +191,13 @@ class Entry:
 
     @staticmethod
     async def first_token(at: Attempt, gen: Generation, extra=()) -> int:
-        """The prompt through the route, then (after a reroute) the tokens so far: the token after them
-        (`extra` tensors go with the last replayed frame: a sketch request)."""
-        token = await at.prefill(gen.ids)
-        if gen.tokens:  # a replay after rerouting feeds back what was generated
-            token = await at.replay(gen.tokens, len(gen.ids), extra)
+        """The prompt through the route (on a longrope model's long table, with the tokens generated
+        before it took over), then (after a reroute) the tokens so far: the token after them (`extra`
+        tensors go with the last replayed frame: a sketch request)."""
+        prefill, fed_back = gen.prefill_ids, gen.fed_back
+        token = await at.prefill(prefill)
+        if fed_back:  # a replay after rerouting feeds back what was generated
+            token = await at.replay(fed_back, len(prefill), extra)
         return token
 
     async def _decode(self, at: Attempt, req, gen: Generation, text, tokens: list[int], emit) -> None:
@@ -203,6 +212,9 @@ class Entry:
                     for t in taken:
                         await self.emit_token(req, gen, text, t, emit)
                     return
+            if gen.past_switch:  # the next position needs the long table: this route's sessions cannot go on
+                await self.emit_tokens(req, gen, text, taken, emit)
+                raise SwitchTable(len(gen.ids) + len(gen.tokens), gen.switch)
             # greedy text is the same with drafts or without, so a greedy generation drafts only where
             # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
             # same text whatever the load, so it drafts as its draft length says

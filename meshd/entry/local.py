@@ -1,8 +1,9 @@
 """The whole model in one process, split into shards that talk through wire frames (`meshd local`).
 
 Rule: every hop goes through `meshd.wire` bytes exactly as it would over a stream, so a split run
-here exercises the same codec and endpoint code as the mesh; the generation's limits, stop tokens
-and stats are the entry's own (`meshd/entry/state.py`).
+here exercises the same codec and endpoint code as the mesh; the generation's limits, stop tokens,
+RoPE table (a longrope model's long one past its switch: the sessions open again and compute the
+sequence anew, as the mesh's entry does) and stats are the entry's own (`meshd/entry/state.py`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from typing import Iterator
 
 from meshd.entry.state import Generation, open_session
 from meshd.hop.endpoint import ShardEndpoint, token_frame
+from meshd.node.log import get_logger
+from meshd.shard import rope
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import Recipe, get_recipe
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import SamplingParams
 from meshd.wire import Close, Decoder, Error, Message, Opened, Phase, Token, chunk_spans, encode
+
+log = get_logger(__name__)
 
 
 class HopError(RuntimeError):
@@ -61,31 +66,51 @@ class LocalPipeline:
 
     def start(self, ids: list[int], max_tokens: int, stop_ids: set[int] = frozenset()) -> Generation:
         """The generation of up to `max_tokens` after `ids` (cut to the context, as an entry cuts it)."""
-        return Generation.start(ids, max_tokens, self.artifact.config.max_positions, frozenset(stop_ids))
+        cfg = self.artifact.config
+        return Generation.start(ids, max_tokens, cfg.max_positions, frozenset(stop_ids), rope.switch(cfg.rope_scaling))
 
     def generate(self, ids: list[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_ids: set[int] = frozenset(), generation: Generation | None = None) -> Iterator[int]:
         """Yield up to max_tokens token ids after the prompt ids; stops after a stop id."""
-        gen = generation or Generation(ids=list(ids), max_tokens=max_tokens, stop=frozenset(stop_ids))
+        gen = generation or Generation(ids=list(ids), max_tokens=max_tokens, stop=frozenset(stop_ids),
+                                       switch=rope.switch(self.artifact.config.rope_scaling))
         sid, epoch = os.urandom(16), 0
         try:
-            for endpoint, (a, b) in zip(self.endpoints, self.ranges):
-                opened = self._hop(endpoint, open_session(1, sid, epoch, a, b, self.artifact.fingerprint,
-                                                          self.recipe_fp, gen.max_length, sampling))
-                assert isinstance(opened, Opened)
-            spans = chunk_spans(len(gen.ids))
-            reply = None
-            for ci, (a, b) in enumerate(spans):
-                reply = self._through(token_frame(sid, epoch, 0, Phase.PREFILL, a, gen.ids[a:b], ci, len(spans)))
-            position = len(gen.ids)
+            reply = self._open(gen, sid, epoch, sampling)
             while not gen.done:
                 assert isinstance(reply, Token), reply
                 yield reply.token_id
                 if gen.accept(reply.token_id):
                     return
+                if gen.past_switch:  # the sessions open again on the long table and compute the sequence anew
+                    self._close(sid, epoch)
+                    sid = os.urandom(16)
+                    reply = self._open(gen, sid, epoch, sampling)
+                    continue
+                position = len(gen.ids) + len(gen.tokens) - 1
                 reply = self._through(token_frame(sid, epoch, len(gen.tokens), Phase.DECODE, position,
                                                   [reply.token_id]))
-                position += 1
         finally:
-            for endpoint in self.endpoints:
-                endpoint.handle(Close(session_id=sid, epoch=epoch))
+            self._close(sid, epoch)
+
+    def _open(self, gen: Generation, sid: bytes, epoch: int, sampling: SamplingParams) -> Message | None:
+        """Open the generation's sessions on every shard (on its RoPE table) and prefill what that table
+        computes as a prefill; the tail's reply to the last chunk."""
+        if gen.take_table():
+            log.info("longrope: the sequence is past the short RoPE table; its sessions open on the long table"
+                     " and compute it anew", positions=len(gen.prefill_ids), switch=gen.switch,
+                     generated=len(gen.tokens))
+        for endpoint, (a, b) in zip(self.endpoints, self.ranges):
+            opened = self._hop(endpoint, open_session(1, sid, epoch, a, b, self.artifact.fingerprint, self.recipe_fp,
+                                                      gen.max_length, sampling, rope_table=gen.rope_table))
+            assert isinstance(opened, Opened)
+        ids = gen.prefill_ids
+        spans = chunk_spans(len(ids))
+        reply = None
+        for ci, (a, b) in enumerate(spans):
+            reply = self._through(token_frame(sid, epoch, 0, Phase.PREFILL, a, ids[a:b], ci, len(spans)))
+        return reply
+
+    def _close(self, sid: bytes, epoch: int) -> None:
+        for endpoint in self.endpoints:
+            endpoint.handle(Close(session_id=sid, epoch=epoch))

@@ -65,7 +65,12 @@ class Routes:
     @asynccontextmanager
     async def open_route(self, route: Route, epoch: int, req, gen: Generation, sampling):
         """An `Attempt` with a session open on this daemon and on every hop of `route`, its hops'
-        outputs moving (pumps, pings) while the caller drives it; every session released after."""
+        outputs moving (pumps, pings) while the caller drives it; every session released after. The
+        sessions open on the generation's RoPE table, the long one once its sequence is past the short."""
+        if gen.take_table():
+            log.info("longrope: the sequence is past the short RoPE table; its sessions open on the long table"
+                     " and compute it anew", positions=len(gen.prefill_ids), switch=gen.switch,
+                     generated=len(gen.tokens))
         sid = os.urandom(16)
         at = Attempt(self.service, gen, sid, epoch)
         daemons = len(route.hops) + 1
@@ -102,7 +107,8 @@ class Routes:
         forward = nxt is not None and self.forwarding
         return open_session(req.request_id, sid, epoch, start, end, self.model_fp, self.recipe_fp, gen.max_length,
                             sampling, next_peer=nxt.peer_id if forward else "",
-                            next_addrs=" ".join(nxt.addrs) if forward else "", microbatch=microbatch)
+                            next_addrs=" ".join(nxt.addrs) if forward else "", microbatch=microbatch,
+                            rope_table=gen.rope_table)
 
     async def _open_local(self, sid, epoch, req, gen, sampling, microbatch=0) -> None:
         reply = await self.service.handle(self._open_msg(sid, epoch, 0, self.end, req, gen, sampling,

@@ -1,5 +1,11 @@
 """One generation's state, apart from how its tokens are computed: the prompt, the limits, when it
-stops, what a replay after a reroute must feed back, and the stats the client gets.
+stops, the RoPE table its sessions open with, what a replay after a reroute must feed back, and the
+stats the client gets.
+
+A longrope model (Phi-3) rotates a sequence of at most `switch` positions with its short table and a
+longer one with its long table from position 0 (`meshd/shard/rope.py`), as transformers does: a prompt
+already longer opens on the long table, and a generation that grows past the switch is opened again on
+the long table and computes its whole sequence anew as a prefill, then samples on (`past_switch`).
 
 Rule: the mesh's entry (`meshd/entry/generation.py`) and `meshd local` (`meshd/entry/local.py`) both
 run a generation through this record, so the two agree on limits, stop tokens and stats.
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field
 from meshd.entry.checks import Check
 from meshd.entry.drafts import Drafts
 from meshd.entry.errors import GenerationError
+from meshd.shard import rope
 from meshd.shard.sampler import SamplingParams
 from meshd.wire import ErrorCode, OpenSession
 
@@ -44,15 +51,17 @@ class Generation:
     drafted: int = 0  # draft tokens sent down the route
     accepted_drafts: int = 0  # of those, accepted by the tail
     check: Check | None = None  # a checked generation's account (None: not chosen for checking)
+    switch: int = 0  # longrope: a longer sequence runs on the long RoPE table from position 0 (0: one table)
+    long_from: int | None = None  # tokens generated when the long table took over (None: not yet; 0: the prompt)
 
     @classmethod
-    def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset()
-              ) -> "Generation":
+    def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset(),
+              switch: int = 0) -> "Generation":
         """A generation of at most `requested` tokens, cut to what the context leaves after the prompt."""
         room = max_positions - len(ids)
         if room <= 0:
             raise GenerationError(ErrorCode.BAD_FRAME, f"prompt of {len(ids)} tokens exceeds the context")
-        return cls(ids=list(ids), max_tokens=max(0, min(requested, room)), stop=frozenset(stop))
+        return cls(ids=list(ids), max_tokens=max(0, min(requested, room)), stop=frozenset(stop), switch=switch)
 
     @property
     def max_length(self) -> int:
@@ -62,6 +71,36 @@ class Generation:
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_tokens or bool(self.tokens and self.tokens[-1] in self.stop)
+
+    @property
+    def rope_table(self) -> int:
+        """The RoPE table this generation's sessions open with now."""
+        return rope.SHORT if self.long_from is None else rope.LONG
+
+    @property
+    def past_switch(self) -> bool:
+        """Whether the sequence to compute (the prompt and every token, the last one not yet fed) has grown
+        past the short table: its sessions must be opened again on the long table (`take_table`)."""
+        return bool(self.switch) and self.long_from is None and len(self.ids) + len(self.tokens) > self.switch
+
+    def take_table(self) -> bool:
+        """Settle the table for sessions about to open: the long one from here on once the sequence is past
+        the switch. True when it switched now (the caller logs it)."""
+        if not self.past_switch:
+            return False
+        self.long_from = len(self.tokens)
+        return True
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a route's sessions compute as a prefill: the prompt, and on the long table the tokens
+        generated before it took over (computed anew with the prompt, as transformers does)."""
+        return self.ids + self.tokens[:self.long_from or 0]
+
+    @property
+    def fed_back(self) -> list[int]:
+        """The tokens a new route replays after the prefill, as the decode steps they first were."""
+        return self.tokens[self.long_from or 0:]
 
     def begin_attempt(self, route: list) -> None:
         """A new route for this generation (the first, or one after a reroute)."""
@@ -87,7 +126,10 @@ class Generation:
         """Drafts for the step after the last accepted token ([] for plain decoding)."""
         if self.drafts is None or not self.tokens:
             return []
-        return self.drafts.propose(self.ids + self.tokens, self.max_tokens - len(self.tokens) - 1)
+        room = self.max_tokens - len(self.tokens) - 1
+        if self.switch and self.long_from is None:  # a short session's step ends at the switch: drafts past it
+            room = min(room, self.switch - len(self.ids) - len(self.tokens))  # would need the long table
+        return self.drafts.propose(self.ids + self.tokens, room)
 
     def verified(self, drafted: int, accepted: int) -> None:
         """The tail accepted `accepted` of a step's `drafted` drafts."""
@@ -104,14 +146,17 @@ class Generation:
         return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
                 "drafted": self.drafted, "accepted": self.accepted_drafts,
-                **(self.check.stats() if self.check is not None else {"checked": False, "verified": False})}
+                **(self.check.stats() if self.check is not None else {"checked": False, "verified": False}),
+                **({"rope_table": "long" if self.long_from is not None else "short", "rope_switched_at": self.long_from}
+                   if self.switch else {})}
 
 
 def open_session(request_id: int, session_id: bytes, epoch: int, start: int, end: int, model_fp: str,
                  recipe_fp: str, max_length: int, sampling: SamplingParams, next_peer: str = "",
-                 next_addrs: str = "", microbatch: int = 0) -> OpenSession:
+                 next_addrs: str = "", microbatch: int = 0, rope_table: int = rope.SHORT) -> OpenSession:
     """The frame that opens a generation's session on the layers [start, end) of one shard."""
     return OpenSession(request_id=request_id, session_id=session_id, epoch=epoch, start=start, end=end,
                        model_fingerprint=model_fp, recipe_fingerprint=recipe_fp, max_length=max_length,
                        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                       seed=sampling.seed, next_peer=next_peer, next_addrs=next_addrs, microbatch=microbatch)
+                       seed=sampling.seed, next_peer=next_peer, next_addrs=next_addrs, microbatch=microbatch,
+                       rope_table=rope_table)

@@ -120,7 +120,7 @@ class ShardEndpoint:
             return [replace(error, retry_after_s=BUSY_RETRY_S)]
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
-        self.shard.open_session(key, msg.max_length, msg.start, msg.end)
+        self.shard.open_session(key, msg.max_length, msg.start, msg.end, msg.rope_table)  # a table it lacks: refused
         self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need,
                                         layers=(msg.start, msg.end), opened_at=time.time())
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]

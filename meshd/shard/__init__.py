@@ -17,6 +17,7 @@ _EXPORTS = {
     "CacheMiss": "kv", "KVBudgetExceeded": "kv",
     "UnsupportedQuantization": "quant",
     "MemoryRefused": "footprint", "weight_bytes": "footprint",
+    "SHORT": "rope", "LONG": "rope", "PastContext": "rope",
 }
 __all__ = sorted(_EXPORTS)
 

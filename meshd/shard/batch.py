@@ -2,10 +2,11 @@
 
 Rules: jobs are (key, x, position) or (key, x, position, kind), at most one a session. Their rows go
 through the layers stacked (`rows.Rows`), so each result is bit for bit what the session gets alone;
-sessions that enter or leave the shard mid-range run as groups of their own. A job that cannot run
-(unknown session, bad input, KV budget full) gets its exception in its place, as a `plain_error`, and
-the others run. Kinds: PASS (a prompt chunk), STEPS (positions computed as one-position decode steps
-would compute them, bit for bit) and SCORE (as STEPS, and the tail returns every position's logits).
+sessions that enter or leave the shard mid-range, or rotate with another RoPE table (a longrope model's
+long one), run as groups of their own. A job that cannot run (unknown session, bad input, KV budget
+full) gets its exception in its place, as a `plain_error`, and the others run. Kinds: PASS (a prompt
+chunk), STEPS (positions computed as one-position decode steps would compute them, bit for bit) and
+SCORE (as STEPS, and the tail returns every position's logits).
 """
 
 from __future__ import annotations
@@ -44,16 +45,18 @@ def run_jobs(shard, jobs: list[tuple]) -> list[torch.Tensor | Exception]:
                     raise ValueError(f"session {key!r} appears twice in one batch")
                 seen.add(key)
                 first, last = shard.session_range(key)
+                table = shard.session_table(key)
                 h = layer_input(shard, x, first, position)  # checked first: refused input keeps no session alive
-                if position + h.shape[1] > shard.max_positions:  # named before the KV's own length check
-                    raise rope.past_context(shard.config.rope_scaling, position + h.shape[1], shard.max_positions)
+                limit = shard.table_positions(table)
+                if position + h.shape[1] > limit:  # named before the KV's own length check
+                    raise rope.past_context(shard.config.rope_scaling, position + h.shape[1], limit, table)
                 kv = shard.kv.get(key)
                 kv.reserve(position, h.shape[1])
-                groups.setdefault((first, last), []).append((i, kv, h, position, kind))
+                groups.setdefault((first, last, table), []).append((i, kv, h, position, kind))
             except (CacheMiss, KVBudgetExceeded, ValueError, TypeError) as exc:
                 results[i] = plain_error(exc)
-        for (first, last), members in groups.items():
-            _run_group(shard, first, last, members, results)
+        for (first, last, table), members in groups.items():
+            _run_group(shard, first, last, shard.rotaries[table], members, results)
     return results  # type: ignore[return-value]
 
 
@@ -93,12 +96,13 @@ def segments(members: list, passes_equal_steps: bool) -> list[tuple[object, int,
     return parts
 
 
-def _run_group(shard, first: int, last: int, members: list, results: list) -> None:
-    """The members' rows through layers [first, last), stacked; each result into its place."""
+def _run_group(shard, first: int, last: int, rotary, members: list, results: list) -> None:
+    """The members' rows through layers [first, last), stacked and rotated with `rotary` (their
+    sessions' table); each result into its place."""
     rows = Rows.stack(segments(members, shard.passes_equal_steps))
     h = torch.cat([m[2] for m in members], dim=1) if len(members) > 1 else members[0][2]
     for li, layer in enumerate(shard.layers[first - shard.start:last - shard.start]):
-        h = shard.family.layer_forward(layer, h, shard.config, shard.rotary, rows, li)
+        h = shard.family.layer_forward(layer, h, shard.config, rotary, rows, li)
     spans, row = [], 0  # each member's rows [row, row + n)
     for _, kv, mh, position, _ in members:
         kv.commit(position + mh.shape[1])

@@ -99,7 +99,7 @@ class ModelConfig:
         head_dim = int(g("attention.key_length", hidden // n_heads))
         scaling = rope.from_gguf(md, arch, tensor_names, head_dim) if family != "gpt2" else RopeScaling()
         _longrope_phi3_only(scaling, family)
-        max_positions = rope.context(scaling, int(g("context_length", 2048)))
+        max_positions = int(g("context_length", 2048))
         if family == "phi3" and g("attention.sliding_window"):
             max_positions = min(max_positions, int(g("attention.sliding_window")))  # as for Mistral below
         cfg = cls(
@@ -153,7 +153,6 @@ class ModelConfig:
         if archs[0] in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and c.get("sliding_window"):
             # transformers masks keys more than a window back; within one window that is full attention
             max_positions = min(max_positions, int(c["sliding_window"]))
-        max_positions = rope.context(scaling, max_positions)
         # transformers: the rope dict's theta before the top-level one
         theta = (rope.hf_parameters(c).get("rope_theta") or c.get("rope_theta")
                  or DEFAULT_THETA.get(archs[0], 10000.0))

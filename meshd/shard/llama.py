@@ -106,7 +106,8 @@ def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
 
 class Rotary:
     """cos/sin tables for rotary embeddings, computed as the reference does (float32), with the model's
-    RoPE scaling (`rope.py`; `freq_factors`: the tensor a `freq_factors` scaling names).
+    RoPE scaling (`rope.py`; `freq_factors`: the tensor of factors the scaling names for `table`, a
+    longrope model's short or long one).
 
     rotate_half(x) * sin == roll(x, half) * signed_sin, with signed_sin = [-sin, sin] per half:
     the same products and sums as the reference, in three ops instead of six. An attention factor
@@ -117,8 +118,8 @@ class Rotary:
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None,
-                 first: int = TABLE_START) -> None:
-        self._args, self.max_positions = (cfg, freq_factors), max_positions
+                 first: int = TABLE_START, table: int = rope.SHORT) -> None:
+        self._args, self.max_positions, self.table = (cfg, freq_factors), max_positions, table
         self.scaling = getattr(cfg, "rope_scaling", None) or rope.RopeScaling()
         self._build(min(max_positions, first))
 
@@ -137,7 +138,8 @@ class Rotary:
 
     def _build_tables(self, positions: int) -> None:
         cfg, freq_factors = self._args
-        inv_freq, attention = rope.inverse_frequencies(self.scaling, cfg.rope_theta, cfg.head_dim, freq_factors)
+        inv_freq, attention = rope.inverse_frequencies(self.scaling, cfg.rope_theta, cfg.head_dim, freq_factors,
+                                                       self.table)
         pos = torch.arange(positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -148,10 +150,10 @@ class Rotary:
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self.cos, self.signed_sin)}
 
     def cover(self, end: int) -> None:
-        """Make the tables reach position `end` (doubling, at most the model's context); past the
-        context, refuse (`rope.PastContext`) rather than rotate with tables that do not reach."""
+        """Make the tables reach position `end` (doubling, at most `max_positions`); past them, refuse
+        (`rope.PastContext`) rather than rotate with tables that do not reach."""
         if end > self.max_positions:
-            raise rope.past_context(self.scaling, end, self.max_positions)
+            raise rope.past_context(self.scaling, end, self.max_positions, self.table)
         have = self.cos.shape[0]
         if have < end:
             self._build(min(self.max_positions, max(end, 2 * have)))

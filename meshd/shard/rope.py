@@ -2,20 +2,22 @@
 
 Rules: the frequencies are computed as transformers' `modeling_rope_utils` computes them (float32, the same
 operations in the same order, so the tables carry the reference's bits) for `default`, `linear`, `llama3`,
-`yarn` and the short half of `longrope`. A GGUF file from llama.cpp's converter spells `llama3` as a
-`rope_freqs.weight` tensor and no `rope.scaling.type` key: ggml divides each base frequency by its factor, and
-so does meshd; every hop that runs attention holds that tensor. It spells `longrope` (Phi-3) as two tensors,
-`rope_factors_short.weight` and `rope_factors_long.weight`, with the attention factor in
-`rope.scaling.attn_factor`.
+`yarn` and `longrope`. A GGUF file from llama.cpp's converter spells `llama3` as a `rope_freqs.weight` tensor
+and no `rope.scaling.type` key: ggml divides each base frequency by its factor, and so does meshd; every hop
+that runs attention holds that tensor. It spells `longrope` (Phi-3) as two tensors, `rope_factors_short.weight`
+and `rope_factors_long.weight`, with the attention factor in `rope.scaling.attn_factor`.
 
-`longrope` is computed for the positions below `original_max_position_embeddings` only, and a model so
-scaled offers that many positions as its context. Why: transformers picks the short or the long factors for
-a whole forward call from that call's largest position (`longrope_frequency_update`), and once a generated
-sequence first passes the pretraining length Phi-3's `prepare_inputs_for_generation` throws the KV cache
-away and recomputes every earlier position with the long factors. A key cached at position 10 thus carries
-different bits at sequence length 4000 than at 5000; a per-position KV cache split over hops cannot follow
-that without recomputing the whole prefix on every hop. Below the switch the short factors hold for every
-position and call, and meshd computes them exactly; past it, it refuses (`PastContext`), naming why.
+`longrope` has two tables, and a session rotates with one of them from its first position to its last
+(`SHORT`, `LONG`: the table a session is opened with, `OpenSession.rope_table`). Why: transformers picks the
+short or the long factors for a whole forward call from that call's largest position
+(`longrope_frequency_update`), and once a generated sequence first grows past the pretraining length
+(`original_max_position_embeddings`, `switch` here) Phi-3's `prepare_inputs_for_generation` throws the KV cache
+away and computes every position again with the long factors. So a sequence of at most `switch` positions
+runs on the short table, a longer one on the long table from position 0: a prompt already longer opens its
+sessions on the long table, and a generation that grows past the switch is opened again on the long table
+and computes its whole sequence anew (the entry does that, `meshd/entry/`). Each table is per position, so
+the KV cache of a session holds the reference's bits. The short table reaches position `switch - 1` and no
+further: a short session asked for more is refused (`PastContext`), never rotated with the wrong factors.
 
 Whatever else changes the math is refused by name, never guessed: `dynamic` NTK (its frequencies follow the
 running length, so keys cached at one length would be rotated for another), partial rotary dimensions,
@@ -33,8 +35,11 @@ SHORT_FACTORS, LONG_FACTORS = "rope_factors_short.weight", "rope_factors_long.we
 # in the recipe fingerprint of every scaled model (`ModelConfig.adapter`): bumped whenever the tables change
 # for a file whose bytes did not (1: a GGUF's rope_freqs.weight is read; before, it was ignored and such
 # files ran with plain RoPE), so peers that read the same file differently never share a route. Within
-# one version the scaling comes from the artifact's bytes, which the model fingerprint covers.
+# one version the scaling comes from the artifact's bytes, which the model fingerprint covers. (longrope's
+# long table did not bump it: its tag names the long factors now, which parts longrope peers that compute
+# it from those that refuse it, and leaves every other scaled model's routes as they were.)
 MATH = "rope-1"
+SHORT, LONG = 0, 1  # a session's table: every model's, and a longrope model's past its switch (see above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,8 @@ class RopeScaling:
     truncate: bool = True  # yarn: round the correction range to whole dimensions
     freq_factors: str | None = None  # freq_factors: the tensor that holds the divisors; longrope: the short ones
     short_factor: tuple[float, ...] = ()  # longrope from an HF config (a GGUF file holds them in `freq_factors`)
+    long_factors: str | None = None  # longrope from a GGUF file: the tensor of the long factors
+    long_factor: tuple[float, ...] = ()  # longrope from an HF config
 
     @property
     def tag(self) -> str:
@@ -64,27 +71,44 @@ class RopeScaling:
                   "llama3": ("factor", "original_context", "low_freq_factor", "high_freq_factor"),
                   "yarn": ("factor", "original_context", "beta_fast", "beta_slow", "attention_factor", "mscale",
                            "mscale_all_dim", "truncate"),
-                  "longrope": ("factor", "original_context", "attention_factor", "freq_factors", "short_factor")
+                  "longrope": ("factor", "original_context", "attention_factor", "freq_factors", "short_factor",
+                               "long_factors", "long_factor")
                   }[self.kind]
         return f"{self.kind}(" + ",".join(f"{f}={getattr(self, f)!r}" for f in fields) + ")"
 
 
 class PastContext(ValueError):
-    """A forward asked for positions past what this model's rotary tables compute."""
+    """A forward asked for positions past what its rotary table computes."""
 
 
-def context(scaling: RopeScaling, max_positions: int) -> int:
-    """The positions a model offers: its own context, or for `longrope` the part the short factors rotate."""
-    return min(max_positions, scaling.original_context) if scaling.kind == "longrope" else max_positions
+def switch(scaling: RopeScaling) -> int:
+    """The longest sequence the short table rotates: a longer one runs on the long table from position 0
+    (0: the model has one table)."""
+    return scaling.original_context if scaling.kind == "longrope" else 0
 
 
-def past_context(scaling: RopeScaling, end: int, limit: int) -> PastContext:
-    """The refusal for a forward that reaches position `end - 1` where `limit` positions are computed."""
-    if scaling.kind == "longrope" and limit >= scaling.original_context:
-        return PastContext(f"position {end - 1} is past {scaling.original_context}, this longrope model's pretraining"
-                           " context: transformers rotates every position of a longer sequence with the long factors"
-                           " (recomputing the whole cache when a generation crosses it), which a per-position KV"
-                           " cache cannot follow; meshd computes the short factors only")
+def tables(scaling: RopeScaling) -> tuple[int, ...]:
+    """The tables a session of this model may be opened with."""
+    return (SHORT, LONG) if scaling.kind == "longrope" else (SHORT,)
+
+
+def table_positions(scaling: RopeScaling, table: int, max_positions: int) -> int:
+    """The positions a table rotates: longrope's short one up to the switch, any other the whole context."""
+    return min(max_positions, switch(scaling)) if scaling.kind == "longrope" and table == SHORT else max_positions
+
+
+def factors_tensor(scaling: RopeScaling, table: int) -> str | None:
+    """The tensor a table's factors come from (None: from the config, or none at all)."""
+    return scaling.long_factors if table == LONG else scaling.freq_factors
+
+
+def past_context(scaling: RopeScaling, end: int, limit: int, table: int = SHORT) -> PastContext:
+    """The refusal for a forward that reaches position `end - 1` where its table computes `limit` positions."""
+    if scaling.kind == "longrope" and table == SHORT and limit == switch(scaling):
+        return PastContext(f"position {end - 1} is past {limit}, where this longrope session's short table ends:"
+                           " transformers rotates every position of a longer sequence with the long factors, so the"
+                           " session must be opened again on the long table (OpenSession.rope_table) and compute"
+                           " the whole sequence anew")
     return PastContext(f"position {end - 1} is past the model's context ({limit} positions)")
 
 
@@ -142,11 +166,9 @@ def from_hf(c: dict[str, Any], max_positions: int) -> RopeScaling:
     if factor is None:  # transformers: the ratio of the contexts
         factor = max_positions / original
     if kind == "longrope":
-        short = params.get("short_factor")
-        if not isinstance(short, list) or not all(isinstance(f, (int, float)) for f in short):
-            _refuse(f"rope scaling 'longrope' needs a list of numbers for short_factor, got {short!r}")
+        short, long = (_factors(params, name) for name in ("short_factor", "long_factor"))
         return longrope(float(factor), int(original), _opt_float(params.get("attention_factor")),
-                        short_factor=tuple(float(f) for f in short))
+                        short_factor=short, long_factor=long)
     return RopeScaling("yarn", factor=float(factor), original_context=int(original),
                        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                        attention_factor=_opt_float(params.get("attention_factor")),
@@ -178,7 +200,8 @@ def _gguf_longrope(g, arch: str, tensor_names: set[str]) -> RopeScaling:
     original = g("rope.scaling.original_context_length")
     if original is None:
         _refuse(f"{LONG_FACTORS} and {SHORT_FACTORS} without {arch}.rope.scaling.original_context_length")
-    scaling = longrope(int(g("context_length")) / int(original), int(original), None, freq_factors=SHORT_FACTORS)
+    scaling = longrope(int(g("context_length")) / int(original), int(original), None, freq_factors=SHORT_FACTORS,
+                       long_factors=LONG_FACTORS)
     stored = g("rope.scaling.attn_factor")
     if stored is not None and abs(float(stored) - scaling.attention_factor) > 1e-6 * scaling.attention_factor:
         _refuse(f"GGUF key {arch}.rope.scaling.attn_factor = {stored!r} is not longrope's"
@@ -227,9 +250,10 @@ def from_gguf(md: dict[str, Any], arch: str, tensor_names: set[str], head_dim: i
     _refuse(f"rope scaling {kind!r} is not supported (supported in GGUF: none, linear, yarn, {FREQ_FACTORS})")
 
 
-def inverse_frequencies(scaling: RopeScaling, theta: float, dim: int, freq_factors=None):
+def inverse_frequencies(scaling: RopeScaling, theta: float, dim: int, freq_factors=None, table: int = SHORT):
     """(inv_freq [dim / 2] float32, attention factor): transformers' bits for each kind; for `freq_factors`,
-    the base frequencies divided by the file's factors (`freq_factors`, a tensor of dim / 2), as ggml does."""
+    the base frequencies divided by the file's factors (`freq_factors`, a tensor of dim / 2), as ggml does;
+    for `longrope`, those of `table`, its factors from the file's tensor (`freq_factors`) or the config."""
     import torch
 
     base = float(theta)
@@ -248,7 +272,7 @@ def inverse_frequencies(scaling: RopeScaling, theta: float, dim: int, freq_facto
     if scaling.kind == "llama3":
         return _llama3(scaling, inv_freq), 1.0
     if scaling.kind == "longrope":
-        return _longrope_short(scaling, base, dim, freq_factors), scaling.attention_factor
+        return _longrope(scaling, base, dim, freq_factors, table), scaling.attention_factor
     _refuse(f"rope scaling {scaling.kind!r} is not supported")
 
 
@@ -265,15 +289,17 @@ def _llama3(s: RopeScaling, inv_freq):
     return torch.where(medium, smoothed, scaled)
 
 
-def _longrope_short(s: RopeScaling, base: float, dim: int, freq_factors=None):
-    """longrope's frequencies for sequences within the pretraining context: the base ones divided by the short
-    factors, in transformers' order (1 / (factor * base^(2i/d)), not base^(-2i/d) / factor)."""
+def _longrope(s: RopeScaling, base: float, dim: int, freq_factors=None, table: int = SHORT):
+    """longrope's frequencies of one table: the base ones divided by its factors (short: sequences within the
+    pretraining context; long: longer ones), in transformers' order (1 / (factor * base^(2i/d)), not
+    base^(-2i/d) / factor)."""
     import torch
 
-    ext = torch.tensor(s.short_factor, dtype=torch.float32) if freq_factors is None else \
-        torch.as_tensor(freq_factors, dtype=torch.float32).reshape(-1)
+    name = "long" if table == LONG else "short"
+    ext = torch.tensor(s.long_factor if table == LONG else s.short_factor, dtype=torch.float32) \
+        if freq_factors is None else torch.as_tensor(freq_factors, dtype=torch.float32).reshape(-1)
     if ext.numel() != dim // 2:
-        _refuse(f"longrope's short factors number {ext.numel()}, the head has {dim // 2} frequencies")
+        _refuse(f"longrope's {name} factors number {ext.numel()}, the head has {dim // 2} frequencies")
     return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
@@ -306,13 +332,20 @@ def _yarn(s: RopeScaling, base: float, dim: int):
 
 def tensor_names(scaling: RopeScaling) -> list[str]:
     """The tensors every hop that runs attention holds for its rotary tables."""
-    return [scaling.freq_factors] if scaling.freq_factors else []
+    return [name for name in (scaling.freq_factors, scaling.long_factors) if name]
 
 
 def _number(v, name: str) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         _refuse(f"rope scaling needs a number for {name}, got {v!r}")
     return float(v)
+
+
+def _factors(params: dict[str, Any], name: str) -> tuple[float, ...]:
+    v = params.get(name)
+    if not isinstance(v, list) or not all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in v):
+        _refuse(f"rope scaling 'longrope' needs a list of numbers for {name}, got {v!r}")
+    return tuple(float(f) for f in v)
 
 
 def _opt_float(v) -> float | None:

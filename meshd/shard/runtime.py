@@ -32,6 +32,15 @@ class Owns:
     lm_head: bool  # ...and the LM head, and returns logits
 
 
+@dataclass(frozen=True, slots=True)
+class OpenedSession:
+    """What a session was opened with here: its layers [start, end) and its RoPE table."""
+
+    start: int
+    end: int
+    table: int = rope.SHORT
+
+
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3, "phi3": phi3}
 DEFAULT_KV_BUDGET = 1 << 30
 log = get_logger(__name__)
@@ -61,23 +70,35 @@ class Shard:
             if show:
                 print(file=sys.stderr)
             self.tail = self.family.load_tail(artifact, recipe, self.head) if self.is_tail else None
-            # every hop that runs attention holds the tensors its rotary tables come from (Llama 3's factors)
-            self.rope_tensors = [torch.from_numpy(artifact.read(name)).float()
-                                 for name in rope.tensor_names(cfg.rope_scaling)]
-            # a family with rotary tables of its own (Gemma 3: one per kind of layer) builds them
-            make_rotary = getattr(self.family, "rotary", None)
-            self.rotary = (make_rotary(cfg, *self.rope_tensors) if make_rotary is not None
-                           else llama.Rotary(cfg, cfg.max_positions, *self.rope_tensors) if cfg.family != "gpt2"
-                           else None)
+            # every hop that runs attention holds the tensors its rotary tables come from (Llama 3's factors,
+            # longrope's short and long ones)
+            factors = {name: torch.from_numpy(artifact.read(name)).float()
+                       for name in rope.tensor_names(cfg.rope_scaling)}
+            self.rope_tensors = list(factors.values())
+            self.rotaries = self._rotaries(factors)
+            self.rotary = self.rotaries[rope.SHORT]
         trim_heap()
         self.load_seconds = time.perf_counter() - t0
         # bytes of the weights held; fixed once loaded (status and metrics read it often)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.distinct_tensors())
-        self._ranges: dict[Hashable, tuple[int, int]] = {}
+        self._sessions: dict[Hashable, OpenedSession] = {}
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
                           kv_budget_bytes, kv_ttl_s)
         log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
                  params=self.n_params, weight_mb=round(self.weight_bytes / 1e6, 1), seconds=round(self.load_seconds, 2))
+
+    def _rotaries(self, factors: dict[str, torch.Tensor]) -> dict:
+        """The rotary tables by the RoPE table a session opens with: one for most models, a longrope
+        model's short and long ones (rope.py), each reaching the positions it rotates."""
+        cfg = self.config
+        make_rotary = getattr(self.family, "rotary", None)
+        if make_rotary is not None:  # a family with tables of its own (Gemma 3: one per kind of layer)
+            return {rope.SHORT: make_rotary(cfg, *factors.values())}
+        if cfg.family == "gpt2":  # learned positions
+            return {rope.SHORT: None}
+        return {table: llama.Rotary(cfg, self.table_positions(table),
+                                    factors.get(rope.factors_tensor(cfg.rope_scaling, table)), table=table)
+                for table in rope.tables(cfg.rope_scaling)}
 
     @property
     def is_head(self) -> bool:
@@ -120,8 +141,9 @@ class Shard:
         return sum(t.numel() for t in self.distinct_tensors())
 
     def open_session(self, key: Hashable, max_length: int | None = None, start: int | None = None,
-                     end: int | None = None) -> None:
-        """Open a session over layers [start, end) of this shard (default: all of them).
+                     end: int | None = None, table: int = rope.SHORT) -> None:
+        """Open a session over layers [start, end) of this shard (default: all of them), rotated with
+        RoPE table `table` (a longrope model's long one for a sequence past its switch: `rope.py`).
 
         A route may enter a shard mid-range or leave it early; layer 0 needs the head's embedding,
         so a session starts at 0 only on a head, and ends at the last layer only on a tail.
@@ -130,9 +152,12 @@ class Shard:
         end = self.end if end is None else end
         if not self.start <= start < end <= self.end:
             raise ValueError(f"this shard serves layers [{self.start}, {self.end}), not [{start}, {end})")
+        if table not in self.rotaries:
+            raise ValueError(f"RoPE table {table} is not one of this model's ({sorted(self.rotaries)}: 0 short,"
+                             " 1 long, which only a longrope model has)")
         self.kv.open(key, min(max_length or self.max_positions, self.max_positions), end - start,
                      self.windows(start, end))
-        self._ranges[key] = (start, end)
+        self._sessions[key] = OpenedSession(start, end, table)
 
     def windows(self, start: int, end: int) -> tuple[int, ...]:
         """Each layer's attention window over [start, end) (0: full): a layer that attends over a
@@ -158,14 +183,14 @@ class Shard:
         kv.commit(length)
 
     def release(self, key: Hashable) -> bool:
-        self._ranges.pop(key, None)
+        self._sessions.pop(key, None)
         return self.kv.release(key)
 
     def evict_expired(self) -> list[Hashable]:
         """Release sessions idle past the KV TTL (their entry vanished without closing)."""
         evicted = self.kv.evict_expired()
         for key in evicted:
-            self._ranges.pop(key, None)
+            self._sessions.pop(key, None)
         return evicted
 
     def forward(self, key: Hashable, x: torch.Tensor, position: int, kind: str = PASS) -> torch.Tensor:
@@ -196,4 +221,14 @@ class Shard:
 
     def session_range(self, key: Hashable) -> tuple[int, int]:
         """The layers [first, last) a session runs here (all of the shard's unless it opened fewer)."""
-        return self._ranges.get(key, (self.start, self.end))
+        opened = self._sessions.get(key)
+        return (self.start, self.end) if opened is None else (opened.start, opened.end)
+
+    def session_table(self, key: Hashable) -> int:
+        """The RoPE table a session rotates with (`rope.SHORT` unless it opened on another)."""
+        opened = self._sessions.get(key)
+        return rope.SHORT if opened is None else opened.table
+
+    def table_positions(self, table: int) -> int:
+        """The positions a session on `table` may reach here (a longrope model's short table: its switch)."""
+        return rope.table_positions(self.config.rope_scaling, table, self.max_positions)

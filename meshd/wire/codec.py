@@ -86,7 +86,7 @@ def _wire_bytes(tensor: Tensor, encoding: Encoding) -> tuple[str, bytes]:
 def encode(msg: Message, encoding: Encoding | None = None) -> bytes:
     """The bytes of one frame carrying `msg`; tensors go raw, zstd, or zstd only where it pays."""
     encoding = encoding or default_encoding()
-    values = [getattr(msg, name) for name, _ in msg.FIELD_CHECKS]
+    values = _header_values(msg)
     descriptors, chunks = [], []
     for tensor in msg.tensors:
         enc, data = _wire_bytes(tensor, encoding)
@@ -255,6 +255,17 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> Message:
     return msgs[0]
 
 
+def _header_values(msg: Message) -> list:
+    """The fields' values in wire order, without the late fields at their defaults (see messages.py)."""
+    values = [getattr(msg, name) for name, _ in msg.FIELD_CHECKS]
+    defaults = msg.__dataclass_fields__
+    for name, _ in msg.FIELD_CHECKS[len(values) - msg.LATE_FIELDS:][::-1]:
+        if values[-1] != defaults[name].default:
+            break
+        values.pop()
+    return values
+
+
 def decode_body(body: memoryview, header_len: int, limits: Limits, dctx) -> Message:
     """Decode a checksummed frame body; `dctx()` returns a zstd decompressor when one is needed."""
     header = _unpack_header(body[:header_len])
@@ -265,9 +276,10 @@ def decode_body(body: memoryview, header_len: int, limits: Limits, dctx) -> Mess
     cls = MESSAGE_TYPES.get(kind) if type(kind) is int else None
     if cls is None:
         raise MalformedFrame(f"unknown message type {header.get('t')!r}")
-    values = header.get("f")
-    if not isinstance(values, list) or len(values) != len(cls.FIELD_CHECKS):
-        raise MalformedFrame(f"{cls.__name__}: expected {len(cls.FIELD_CHECKS)} fields")
+    values, most = header.get("f"), len(cls.FIELD_CHECKS)
+    if not isinstance(values, list) or not most - cls.LATE_FIELDS <= len(values) <= most:
+        raise MalformedFrame(f"{cls.__name__}: expected {most} fields"
+                             + (f" (or {most - cls.LATE_FIELDS} without the late ones)" if cls.LATE_FIELDS else ""))
     try:
         kwargs = {name: check(v) for (name, check), v in zip(cls.FIELD_CHECKS, values)}
     except TypeError as exc:

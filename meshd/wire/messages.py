@@ -1,8 +1,11 @@
 """The messages meshd peers exchange, as frozen, typed values.
 
 Rule: a message's fields travel positionally in the frame header, in declaration order; that order
-is part of `PROTOCOL_VERSION`. Adding, removing or reordering a field means a new version. Every
-message carries its type code; the codec looks the class up by code and checks every field's type.
+is part of `PROTOCOL_VERSION`. Adding, removing or reordering a field means a new version, but for a
+field appended with a default and counted in its class's `LATE_FIELDS`: a frame may end before it (an
+earlier build of the same version sent it so, and it takes its default), and the codec leaves it off
+at its default, so such a build reads the frame. Every message carries its type code; the codec looks
+the class up by code and checks every field's type.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class Message:
     TYPE: ClassVar[MsgType]
     # (field name, checker) in wire order; a checker returns the value converted or raises TypeError
     FIELD_CHECKS: ClassVar[tuple[tuple[str, Any], ...]]
+    LATE_FIELDS: ClassVar[int] = 0  # the last fields, appended within this version: a frame may leave them off
     tensors: tuple[Tensor, ...] = ()
 
 
@@ -160,6 +164,12 @@ class OpenSession(Message):
     next_addrs: str = ""
     # only frames of sessions in the same microbatch share a forward pass (see meshd/hop/scheduler.py)
     microbatch: int = 0
+    # the RoPE table the session rotates with (meshd/shard/rope.py): 0 short, every model's; 1 long, a
+    # longrope model's (Phi-3) for a sequence past its pretraining context. Appended within protocol 6:
+    # a frame without it (an earlier build) opens a short session
+    rope_table: int = 0
+
+    LATE_FIELDS: ClassVar[int] = 1
 
 
 @message(MsgType.OPENED)
