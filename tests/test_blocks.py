@@ -207,6 +207,7 @@ def test_a_tile_holds_its_rows_bytes_where_the_kernel_reads_them():
         raw = rng.integers(0, 256, (16, 3 * size), dtype=np.uint8)
         tiled = blocks.tile(qt, raw)
         assert tiled.shape == raw.shape and sorted(tiled.ravel()) == sorted(raw.ravel())
+        assert np.array_equal(blocks.tile_in_numpy(qt, raw), tiled)  # the kernel's repacking and numpy's
         blocks_of = raw.reshape(2, 8, 3, size)  # [tile, row, block, byte]
         for t in range(2):
             for b in range(3):

@@ -276,6 +276,22 @@ static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* tile(qtype, src_ptr, dst_ptr, n, row_bytes): rows of GGUF blocks into tiles (_blocks_tiles.c) */
+static PyObject *py_tile(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[5];
+    if (read_longs(args, nargs, 5, v, "tile") < 0) return NULL;
+    int qtype = (int)v[0];
+    int64_t n = v[3], row_bytes = v[4];
+    if (!tiles_type(qtype) || n < 0 || n % TILE || row_bytes <= 0 || row_bytes % block_bytes(qtype)) {
+        PyErr_SetString(PyExc_ValueError, "tile: not a type tiles hold, or not whole tiles of whole blocks");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    tile_rows(qtype, (const uint8_t *)(intptr_t)v[1], (uint8_t *)(intptr_t)v[2], n, row_bytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
 /* limit_isa(name): the process's kernels run on at most this instruction set (and the CPU's) from now on */
 static PyObject *py_limit_isa(PyObject *self, PyObject *arg) {
     (void)self;
@@ -297,6 +313,7 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "y = x @ W.T over GGUF blocks"},
+    {"tile", (PyCFunction)(void (*)(void))py_tile, METH_FASTCALL, "rows of GGUF blocks into tiles of eight rows"},
     {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
     {"limit_isa", py_limit_isa, METH_O, "run on at most this instruction set from now on"},
     {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL, "a whole Llama decoder layer, in place"},

@@ -41,6 +41,23 @@ static void untile_block(int qtype, const uint8_t *tb, int r, uint8_t *out) {
     for (int g = 0; g < groups; g++) memcpy(codes + 4 * g, tb + head + 32 * g + 4 * r, 4);
 }
 
+/* Rows [n, row_bytes] of GGUF blocks into tiles (the layout above; n a multiple of TILE): each tile's
+ * blocks in K order, each block's halves, then its code groups, row after row. */
+static void tile_rows(int qtype, const uint8_t *src, uint8_t *dst, int64_t n, int64_t row_bytes) {
+    int bb = block_bytes(qtype), head = tile_head(qtype), groups = qtype == Q8_0 ? 8 : 4, halves = head / 16;
+    int skip = 2 * halves; /* a block's bytes before its codes */
+    int64_t nb = row_bytes / bb;
+    for (int64_t t = 0; t < n / TILE; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *tb = dst + t * TILE * row_bytes + b * TILE * bb;
+            for (int r = 0; r < TILE; r++) {
+                const uint8_t *blk = src + (t * TILE + r) * row_bytes + b * bb;
+                for (int h = 0; h < halves; h++) memcpy(tb + 16 * h + 2 * r, blk + 2 * h, 2);
+                for (int g = 0; g < groups; g++) memcpy(tb + head + 32 * g + 4 * r, blk + skip + 4 * g, 4);
+            }
+        }
+}
+
 /* The portable path over tiles: each tile back in rows (a stack buffer), then the row path. */
 static void rows_tiled_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
