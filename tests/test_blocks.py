@@ -239,8 +239,15 @@ def test_weights_are_tiled_only_where_the_type_rows_and_layout_allow(monkeypatch
         blocks.set_layout("auto")
     with pytest.raises(ValueError, match="unknown weight layout"):
         blocks.set_layout("columns")
+    assert not weight(QT.Q8_0, 16, 64)[0].tiled  # memory-bound: its rows were faster
     monkeypatch.setattr(blocks, "isa", lambda: "avx512")
     assert not weight(QT.Q4_0, 16, 64)[0].tiled
+    blocks.set_layout("tiles")
+    try:
+        assert weight(QT.Q8_0, 16, 64)[0].tiled and weight(QT.Q4_0, 16, 64)[0].tiled
+        assert not weight(QT.Q4_0, 12, 64)[0].tiled and not weight(QT.Q5_0, 16, 64)[0].tiled
+    finally:
+        blocks.set_layout("auto")
     # the kernel refuses a tile flag it cannot honour
     w, _ = weight(QT.Q4_0, 12, 64, tiles=False)
     with pytest.raises(ValueError, match="unsupported block type"):

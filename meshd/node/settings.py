@@ -48,7 +48,7 @@ class Settings:
     recipe: str = "auto"
     threads: int = 0  # torch threads for tensor work; 0: one per core
     kernel_isa: str = ""  # the block kernel's instruction set at most (portable, avx2, avx512); empty: the CPU's best
-    kernel_layout: str = "auto"  # weights in tiles where they pay (auto) or in the file's rows (rows); same bits
+    kernel_layout: str = "auto"  # weights in tiles where they pay (auto), in the file's rows (rows) or tiles; same bits
     http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
     http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
     http_token_file: str = ""

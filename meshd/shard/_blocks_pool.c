@@ -80,7 +80,7 @@ static void matmul_part(const void *ctx, int part, int parts) {
     int k_type = block_elems(j->qtype) == QKK;
     if (j->tiled) {
 #if HAVE_X86
-        if (j->isa == ISA_AVX512) rows_tiled_vnni(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
+        if (j->isa == ISA_AVX512) rows_tiled_512(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         else if (j->isa) rows_tiled_avx2(j->qtype, j->w, j->row_bytes, n0, n1, j->n, j->xq, j->m, j->nb, j->y, j->accumulate);
         else
 #endif

@@ -120,23 +120,27 @@ TILED = 0x100  # or-ed into the kernel's qtype argument where the weight is in t
 TILE_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0}
 
 
-LAYOUTS = ("auto", "rows")  # auto: tiles where they pay (tiles_pay); rows: the file's order always
+# auto: tiles where they pay (tiles_pay); rows: the file's order always; tiles: wherever the type allows
+LAYOUTS = ("auto", "rows", "tiles")
 _layout = "auto"
 
 
 def set_layout(name: str) -> None:
-    """How weights loaded from now on are laid out: "auto" or "rows" (the bits are the same; benches
-    compare the two with it, an operator may pin rows)."""
+    """How weights loaded from now on are laid out, one of LAYOUTS (the bits are the same; benches
+    compare them with it, an operator may pin one)."""
     global _layout
     if name not in LAYOUTS:
         raise ValueError(f"unknown weight layout {name!r}: one of {', '.join(LAYOUTS)}")
     _layout = name
 
 
-def tiles_pay() -> bool:
-    """Whether this process keeps Q4_0, Q4_1 and Q8_0 weights in tiles: where the kernel runs on AVX2
-    (the other paths read tiles too, and give the same bits)."""
-    return _layout == "auto" and isa() == "avx2"
+def tiles_pay(qtype: QT) -> bool:
+    """Whether this process keeps weights of this type in tiles: Q4_0 and Q4_1 where the kernel runs on
+    AVX2 (the other paths read tiles too, and give the same bits). Q8_0 stays in rows: its tiles took
+    up to twice the time of its rows for one x row (memory-bound; kernel_bench shapes, CPU avx2 avx512f)."""
+    if _layout != "auto":
+        return _layout == "tiles" and qtype in TILE_TYPES
+    return qtype in (QT.Q4_0, QT.Q4_1) and isa() == "avx2"
 
 
 def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
@@ -188,7 +192,7 @@ class BlockWeight:
         if rows.ndim != 2 or cols % block or rows.shape[1] != cols // block * size:
             raise ValueError(f"{qtype.name}: {tuple(rows.shape)} bytes do not hold rows of {cols}")
         if tiles is None:
-            tiles = tiles_pay() and qtype in TILE_TYPES and rows.shape[0] % TILE == 0
+            tiles = tiles_pay(qtype) and rows.shape[0] % TILE == 0
         data = torch.from_numpy(tile(qtype, rows) if tiles else rows)
         return cls(qtype, data, data.shape[0], cols, tiled=bool(tiles))
 
