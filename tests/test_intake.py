@@ -257,7 +257,7 @@ def test_sessions_admitted_but_not_yet_open_count_against_their_peer():
     from meshd.hop.sessions import SessionTable
 
     endpoint = SimpleNamespace(model_fp="m", recipe_fp="r", sessions=SessionTable(), refused=0,
-                               kv_need=lambda msg: 10, capacity=lambda: Capacity(0, 8, 0, 1000))
+                               kv_need=lambda msg: 10, capacity=lambda reclaiming: Capacity(0, 8, 0, 1000))
     service, intake = SimpleNamespace(endpoint=endpoint), Intake(peer_share=0.5)
 
     def open_msg(i, fp="m"):
