@@ -67,7 +67,9 @@ async def serve_shard_stream(service, stream, intake: Intake | None = None) -> N
             await _withdraw_unread(service, intake, channel.peer, work_recv)
             for key in opened:
                 await service.release(key)
-            await channel.aclose()  # its decoder's buffer (a half-sent frame) goes before the trim
+            # its decoder's buffer (a half-sent frame) goes before the trim; a stream this daemon stopped
+            # reading before its peer ended it is reset, and what py-libp2p buffered of it unread goes too
+            await channel.aclose(reset=not channel.ended)
             await intake.trim_after_burst(later=channel.largest >= TRIM_AFTER)
         if opened:
             log.info("session stream closed", sessions=len(opened))
@@ -78,7 +80,7 @@ async def _refuse(channel: Channel, error: Error) -> None:
         await channel.send(error)
     except ChannelClosed:
         pass
-    await channel.aclose()
+    await channel.aclose(reset=True)  # never read: what its peer sends is not kept
 
 
 async def _read(service, intake: Intake, channel: Channel, work_send: trio.MemorySendChannel,
