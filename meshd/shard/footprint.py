@@ -190,8 +190,9 @@ def pin_heap_thresholds() -> bool:
     By default each freed mapped block of N bytes raises them to N and 2N (up to 32 and 64 MiB): after
     one burst of large frames (zstd bombs, half-sent frames) blocks that size come from the arenas,
     and every thread's arena (trio's, the decode workers') keeps up to 64 MiB free at its top, which
-    `malloc_trim` hands back for the main arena only. Measured: +16 MiB after 16 MiB bombs and +37 MiB
-    after half frames, in non-main arenas, kept through gc and trims. False where there is no glibc."""
+    `malloc_trim` hands back for the main arena only. Measured on a daemon: 20 zstd frames of 16 MiB
+    left +16 MiB in a decode worker's arena through gc and trims, none once pinned (the cost: blocks
+    of 1 MiB and more are mapped and unmapped each time, a page fault a page). False without glibc."""
     try:
         libc = _libc()
         return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD,
