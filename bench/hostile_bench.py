@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--bomb-mb", type=int, default=62)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--half-mb", type=int, default=64, help="MiB each half-sent frame declares (4 MiB of it sent)")
+    ap.add_argument("--settle-to", type=float, default=1.10, help="'after' is the RSS once within this factor of"
+                    " 'before', or at 30 s")
     ap.add_argument("--only", default="", help="comma-separated attack names")
     ap.add_argument("flags", nargs="*", help="daemon flags (after --)")
     args = ap.parse_args()
@@ -56,7 +58,8 @@ def main() -> None:
         for _ in range(args.runs):
             for name, attack in chosen.items():
                 hold = 3.0 if name in ("half frames", "idle streams", "session flood") else 0.0
-                report = run_attack(name, b.proc.pid, b.addr, a.socket, reference.text, attack, hold_s=hold)
+                report = run_attack(name, b.proc.pid, b.addr, a.socket, reference.text, attack, hold_s=hold,
+                                    settle_to=args.settle_to)
                 rows.setdefault(name, []).append(report.row())
                 print(json.dumps(report.row()), flush=True)
     finally:
