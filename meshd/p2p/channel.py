@@ -62,7 +62,8 @@ class Channel:
 
     @classmethod
     def over_libp2p(cls, stream, protocol: str = "libp2p") -> "Channel":
-        return cls(stream.read, stream.write, stream.close, protocol, reset=lambda: reset_stream(stream))
+        return cls(stream.read, stream.write, stream.close, protocol,
+                   reset=lambda linger: reset_stream(stream, linger))
 
     @classmethod
     def over_trio(cls, stream: trio.abc.Stream, protocol: str = "control") -> "Channel":
@@ -156,30 +157,34 @@ class Channel:
         TRAFFIC[self.protocol, "received"] += len(data)
         return data
 
-    async def aclose(self, reset: bool = False) -> None:
+    async def aclose(self, reset: bool = False, linger: float = 0.0) -> None:
         """Close the stream; what was sent still reaches the peer. With `reset`, or in the middle of a
-        frame (sent half, stalled, bad bytes), the stream is reset after that: its peer stops sending,
-        and what the transport buffered of it unread goes at once (a reader that will not read again).
-        The close comes first: py-libp2p's reader drops what it buffered at a reset unless the stream's
-        end came before it, so a refusal sent just before would be lost."""
+        frame (sent half, stalled, bad bytes), the stream is also reset `linger` seconds later: its peer
+        stops sending, and what the transport buffered of it unread goes at once and at the reset (a
+        reader that will not read again). The close comes first: py-libp2p's reader drops what it
+        buffered at a reset unless the stream's end came before it."""
         reset = reset or self._decoder.buffered > 0
         self._decoder = Decoder(self._decoder.limits)  # nothing more is read: a half frame's bytes go now
         try:
             await self._close()
             if reset and self._reset is not None:
-                await self._reset()
+                await self._reset(linger)
         except Exception:  # closing a dead stream is not an error worth reporting
             pass
 
 
-async def reset_stream(stream) -> None:
-    """Reset a libp2p stream, dropping what py-libp2p's Yamux buffered of it unread. py-libp2p 0.8.1
-    keeps a closed or reset stream's unread bytes for a 60 s grace, swept every 30 s: a peer that
-    stopped 16 streams in the middle of 8 MB frames left ~30 MB held for that long after it left."""
+async def reset_stream(stream, linger: float = 0.0) -> None:
+    """Reset a libp2p stream after `linger` seconds, dropping what py-libp2p's Yamux buffered of it
+    unread now and then. py-libp2p 0.8.1 keeps a closed or reset stream's unread bytes for a 60 s
+    grace, swept every 30 s: a peer that stopped 16 streams in the middle of 8 MB frames left ~30 MB
+    held for that long after it left."""
+    if not hasattr(stream, "reset"):  # meshd.testing's fake streams only close
+        return
+    _drop_unread(stream)
+    await trio.sleep(linger)
     _drop_unread(stream)  # an empty buffer lets the reset drop the stream's entry at once
     try:
-        if hasattr(stream, "reset"):  # meshd.testing's fake streams only close
-            await stream.reset()
+        await stream.reset()
     finally:
         _drop_unread(stream)
 
