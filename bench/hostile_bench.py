@@ -5,7 +5,7 @@ longest heartbeat echo the attacker's second stream saw during the attack, and a
 generation's time during the attack and just after it (with whether its text matched the one
 before any attack). The attacks are those of issue 26: zstd bombs, half-sent frames, a session
 flood, many idle streams, wrong dtypes. Extra daemon flags (the limits) go after `--`.
-Usage: python bench/hostile_bench.py [--bombs 20] [--bomb-mb 62] [--runs 1] [-- --frame-budget-mb 64 ...]
+Usage: python bench/hostile_bench.py [--bombs 20] [--bomb-mb 62] [--half-mb 64] [--runs 1] [-- --frame-budget-mb 64 ...]
 Prints a table, then one JSON object on the last line (medians over runs per attack).
 """
 
@@ -24,7 +24,7 @@ HIDDEN = 576
 def attacks(args) -> dict:
     return {
         "zstd bombs": lambda p: p.zstd_bombs(args.bombs, args.bomb_mb << 20, HIDDEN, 10, 20),
-        "half frames": lambda p: p.half_frames(16, 64 << 20, 4 << 20),
+        "half frames": lambda p: p.half_frames(16, args.half_mb << 20, 4 << 20),
         "session flood": lambda p: p.flood_sessions(200, 10, 20),
         "idle streams": lambda p: p.many_streams(300),
         "wrong dtypes": lambda p: _dtypes(p),
@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--bombs", type=int, default=20)
     ap.add_argument("--bomb-mb", type=int, default=62)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--half-mb", type=int, default=64, help="MiB each half-sent frame declares (4 MiB of it sent)")
+    ap.add_argument("--settle-to", type=float, default=1.10, help="'after' is the RSS once within this factor of"
+                    " 'before', or at 30 s")
     ap.add_argument("--only", default="", help="comma-separated attack names")
     ap.add_argument("flags", nargs="*", help="daemon flags (after --)")
     args = ap.parse_args()
@@ -55,7 +58,8 @@ def main() -> None:
         for _ in range(args.runs):
             for name, attack in chosen.items():
                 hold = 3.0 if name in ("half frames", "idle streams", "session flood") else 0.0
-                report = run_attack(name, b.proc.pid, b.addr, a.socket, reference.text, attack, hold_s=hold)
+                report = run_attack(name, b.proc.pid, b.addr, a.socket, reference.text, attack, hold_s=hold,
+                                    settle_to=args.settle_to)
                 rows.setdefault(name, []).append(report.row())
                 print(json.dumps(report.row()), flush=True)
     finally:

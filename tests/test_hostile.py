@@ -41,10 +41,10 @@ def attack(mesh, name, coro, hold_s=0.0, kv=0):
     # the generation started as the attacker left completes with the reference text (its time is in
     # the row: a duration on this shared box is no assertion)
     assert report.during.ok and report.after.ok, report.row()
-    # back near the baseline once the heap is trimmed; what stays is live, not freed-and-kept (a fixed
-    # malloc mmap threshold did not move it): half frames left 1.10-1.14x in four runs of 2 Dec on a
-    # 325-360 MB daemon, py-libp2p's own stream buffers the likely holder (issue 26 says what is left)
-    assert report.rss_after <= 1.15 * report.rss_before, report.row()
+    # back within 10% of the baseline within 30 s (issue 26): half frames used to leave 1.10-1.14x, held
+    # by py-libp2p's buffers of streams the daemon had stopped reading (now reset and dropped) and by
+    # the free tops of other threads' malloc arenas (the daemon pins malloc's thresholds)
+    assert report.rss_after <= 1.10 * report.rss_before, report.row()
     assert b.status()["state"] == "serving"
     return report
 

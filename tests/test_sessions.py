@@ -80,6 +80,42 @@ def test_endpoint_evicts_idle_sessions(artifact):
     assert err.code == w.ErrorCode.UNKNOWN_SESSION
 
 
+def test_a_trickled_session_gives_its_kv_to_a_new_one_once_the_shard_is_full(artifact):
+    """One tiny Forward every 50 s keeps a session within its 600 s TTL forever; once it has been
+    unused for `idle_when_full` and the shard is full, a new session (from any peer) takes its room,
+    at the event loop's admission and at the endpoint's."""
+    from types import SimpleNamespace
+
+    from meshd.hop.intake import Intake
+
+    now = [0.0]
+    shard = Shard(artifact, 0, 3, kv_ttl_s=600)
+    shard.kv.clock = lambda: now[0]
+    ep = ShardEndpoint(shard, "m", "r", max_sessions=1, idle_when_full=60)
+    intake, service = Intake(), SimpleNamespace(endpoint=ep)
+
+    def open_msg(sid):
+        return w.OpenSession(request_id=1, session_id=sid, epoch=0, start=0, end=3, model_fingerprint="m",
+                             recipe_fingerprint="r")
+
+    trickled = b"t" * 16
+    assert isinstance(ep.handle(open_msg(trickled))[0], w.Opened)
+    for step in range(20):  # 1000 s: past the TTL, yet it was never idle for the TTL
+        now[0] += 50
+        assert not isinstance(ep.handle(token_frame(trickled, 0, step, w.Phase.DECODE, step, [1]))[0], w.Error)
+        assert ep.evict_expired() == []
+    now[0] += 59  # still in use: a newcomer finds the shard full
+    assert intake.admission(service, "B", open_msg(b"n" * 16)).code == w.ErrorCode.BUSY
+    assert ep.handle(open_msg(b"n" * 16))[0].code == w.ErrorCode.BUSY and ep.free_sessions() == 0
+    now[0] += 2  # unused for 61 s: its room is free for whoever needs it
+    assert ep.free_sessions() == 1 and list(ep.sessions) == [(trickled, 0)]
+    assert intake.admission(service, "B", open_msg(b"n" * 16)) is None
+    assert isinstance(ep.handle(open_msg(b"n" * 16))[0], w.Opened)
+    assert list(ep.sessions) == [(b"n" * 16, 0)] and shard.kv.sessions() == [(b"n" * 16, 0)]
+    (err,) = ep.handle(token_frame(trickled, 0, 20, w.Phase.DECODE, 20, [1]))
+    assert err.code == w.ErrorCode.UNKNOWN_SESSION
+
+
 def test_kv_replay_truncates_and_max_length_is_enforced():
     store = KVStore(1, 1, 4, torch.float32, budget_bytes=1 << 20)
     kv = store.open("s", max_length=100)

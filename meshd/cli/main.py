@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " closed (default 300)")
     join.add_argument("--session-idle", type=float, help="seconds a session may send no frame before its KV is"
                       " released (default 600)")
+    join.add_argument("--session-idle-full", type=float, help="seconds a session may send no frame before a new"
+                      " session takes its KV when the daemon is full (default 60)")
     join.add_argument("--peer-share", type=float, help="share of the sessions, the KV budget and the queue that"
                       " one peer may hold; the rest stays for others (default 0.75)")
     join.add_argument("--swarm-key", help="a private mesh's key file (libp2p's /key/swarm/psk/1.0.0/ format, mode"

@@ -30,17 +30,21 @@ KIND = {Phase.PREFILL: PASS, Phase.DECODE: STEPS, Phase.VERIFY: SCORE}  # how a 
 
 MAX_SESSIONS = 64
 BUSY_RETRY_S = 1.0  # the hint sent with a refused session: about a short generation's time
+IDLE_WHEN_FULL_S = 60.0  # a session unused this long gives its room to a new one when the shard is full
+# (a live generation sends a frame every step; an entry waits at most --busy-wait, 30 s, for a busy hop)
 
 
 class ShardEndpoint:
     """Admission: at most `max_sessions` sessions, and only as many as the KV budget holds at the
     length each asks for (its KV is promised at open, so a session admitted never runs out of KV
-    mid-generation). Past either bound, OpenSession gets a retriable `busy` at once."""
+    mid-generation). Past either bound, OpenSession gets a retriable `busy` at once, unless sessions
+    unused for `idle_when_full` seconds can give their room: a session kept alive by a frame every few
+    minutes holds its KV only while nobody else needs it."""
 
     def __init__(self, shard: Shard, model_fingerprint: str, recipe_fingerprint: str,
-                 max_sessions: int = MAX_SESSIONS) -> None:
+                 max_sessions: int = MAX_SESSIONS, idle_when_full: float = IDLE_WHEN_FULL_S) -> None:
         self.shard, self.model_fp, self.recipe_fp = shard, model_fingerprint, recipe_fingerprint
-        self.max_sessions = max_sessions
+        self.max_sessions, self.idle_when_full = max_sessions, idle_when_full
         self.sessions = SessionTable()
         self.refused = 0  # sessions refused as busy
         self.ledger = None  # the daemon's work ledger: one row per session served for another peer
@@ -75,21 +79,33 @@ class ShardEndpoint:
             self.ledger.session_served(session.requester, *session.layers, session.positions, outcome,
                                        session.opened_at)
 
-    def capacity(self) -> Capacity:
-        return Capacity(len(self.sessions), self.max_sessions, self.sessions.promised(), self.shard.kv.budget_bytes)
+    def capacity(self, reclaiming: bool = False) -> Capacity:
+        """The numbers admission weighs; with `reclaiming`, the room of sessions unused past
+        `idle_when_full` counts as free (`admit` takes it back when a new session needs it)."""
+        sessions = list(self.sessions.values())
+        if reclaiming:
+            quiet = set(self.shard.kv.idle(self.idle_when_full))
+            sessions = [s for s in sessions if s.key not in quiet]
+        return Capacity(len(sessions), self.max_sessions, sum(s.promised for s in sessions),
+                        self.shard.kv.budget_bytes)
 
     def admit(self, key: tuple[bytes, int], need: int) -> str | None:
-        """Why a new session needing `need` KV bytes cannot be taken now (sessions idle past their
-        TTL evicted first), or None if it can."""
+        """Why a new session needing `need` KV bytes cannot be taken now, or None if it can. When
+        the shard is full, sessions idle past their TTL go first, then those unused past
+        `idle_when_full`, the longest unused first, until the new one fits."""
         if key in self.sessions:
             return None  # reopened: it replaces itself
         if self.capacity().refusal(need) is not None:
             self.evict_expired()
+        for quiet in self.shard.kv.idle(self.idle_when_full):
+            if self.capacity().refusal(need) is None:
+                break
+            self.release(quiet)
         return self.capacity().refusal(need)
 
     def free_sessions(self) -> int:
         """Sessions of a typical length (`TYPICAL_LENGTH` positions) that would be admitted now."""
-        return self.capacity().free_sessions(self.shard.session_kv_bytes(TYPICAL_LENGTH))
+        return self.capacity(reclaiming=True).free_sessions(self.shard.session_kv_bytes(TYPICAL_LENGTH))
 
     def kv_need(self, msg: OpenSession) -> int:
         """The KV bytes a session is promised at open: its whole length on its layers (a windowed

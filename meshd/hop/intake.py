@@ -64,8 +64,8 @@ class Intake:
             return None
         need = endpoint.kv_need(msg)
         count, promised = endpoint.sessions.held_by(peer)
-        why = endpoint.capacity().peer_refusal(count + self.opening[peer], promised + self.opening_kv[peer], need,
-                                               self.peer_share)
+        room = endpoint.capacity(reclaiming=True)  # sessions long unused give way to a new one
+        why = room.peer_refusal(count + self.opening[peer], promised + self.opening_kv[peer], need, self.peer_share)
         if why is None:
             self.opening[peer] += 1
             self.opening_kv[peer] += need

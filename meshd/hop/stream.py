@@ -28,6 +28,8 @@ from meshd.wire import (Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hell
 
 WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream (their bytes are bounded by the budget)
 TRIM_AFTER = 16 << 20  # a stream that took a frame this big hands the freed heap back when it ends
+RESET_LINGER_S = 1.0  # a stream this daemon stopped reading is reset this long after its close: a peer
+# still writing reads the refusal before (py-libp2p's reader loses it once its own write met the reset)
 log = get_logger(__name__)
 
 
@@ -61,13 +63,16 @@ async def serve_shard_stream(service, stream, intake: Intake | None = None) -> N
         pass
     finally:
         with trio.CancelScope(shield=True):
-            intake.streams[channel.peer] -= 1
-            if intake.streams[channel.peer] <= 0:
-                del intake.streams[channel.peer]
             await _withdraw_unread(service, intake, channel.peer, work_recv)
             for key in opened:
                 await service.release(key)
-            await channel.aclose()  # its decoder's buffer (a half-sent frame) goes before the trim
+            # its decoder's buffer (a half-sent frame) goes before the trim; a stream this daemon stopped
+            # reading before its peer ended it is reset, and what py-libp2p buffered of it unread goes too
+            # (it counts against its peer's streams until then)
+            await channel.aclose(reset=not channel.ended, linger=RESET_LINGER_S)
+            intake.streams[channel.peer] -= 1
+            if intake.streams[channel.peer] <= 0:
+                del intake.streams[channel.peer]
             await intake.trim_after_burst(later=channel.largest >= TRIM_AFTER)
         if opened:
             log.info("session stream closed", sessions=len(opened))
@@ -78,7 +83,7 @@ async def _refuse(channel: Channel, error: Error) -> None:
         await channel.send(error)
     except ChannelClosed:
         pass
-    await channel.aclose()
+    await channel.aclose(reset=True)  # never read: what its peer sends is not kept
 
 
 async def _read(service, intake: Intake, channel: Channel, work_send: trio.MemorySendChannel,

@@ -46,6 +46,7 @@ from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
 from meshd.p2p.pnet import Pnet
 from meshd.relay.punch import HolePuncher
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
+from meshd.shard.footprint import pin_heap_thresholds
 from meshd.wire.protocols import GEN_PROTOCOL, SHARD_PROTOCOL
 
 DRAIN_POLL_S = 0.2
@@ -264,6 +265,7 @@ def run_daemon(settings: Settings) -> int:
     SIGTERM and SIGINT stop it cleanly; a stop requested before the mesh is joined (while the
     event loop cannot take it yet) ends the process at once.
     """
+    pin_heap_thresholds()  # before anything large is freed: what a burst of frames leaves goes back
     Path(settings.state_path).mkdir(parents=True, exist_ok=True)
     settings.configure()
     compute = ComputeExecutor()

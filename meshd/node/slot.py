@@ -50,7 +50,8 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
         return shard, tokenizer
 
     shard, tokenizer = await compute.run(load)
-    endpoint = ShardEndpoint(shard, artifact.fingerprint, recipe_fp, max_sessions=settings.max_sessions)
+    endpoint = ShardEndpoint(shard, artifact.fingerprint, recipe_fp, max_sessions=settings.max_sessions,
+                             idle_when_full=settings.session_idle_full)
     endpoint.ledger = ledger
     service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
     service.stats.on_step = metrics.observe_pass

@@ -172,14 +172,39 @@ def check_fits(artifact, recipe, start: int, end: int, memory: int = 0, limit: i
     return need
 
 
-def trim_heap() -> None:
-    """Give freed heap pages back to the kernel (glibc keeps them after repacking's staging
-    buffers are freed: about 40% on top of a layer's weights). No-op where there is no glibc."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+HEAP_MMAP_BYTES = 1 << 20  # a block this big or bigger is mapped alone, and unmapped when freed
+HEAP_TRIM_BYTES = 2 << 20  # free heap past this at the top of an arena goes back at the next free
+
+
+def _libc():
     import ctypes
     import ctypes.util
 
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def pin_heap_thresholds() -> bool:
+    """Fix glibc malloc's mmap and trim thresholds for the process's life (a daemon calls this first).
+
+    By default each freed mapped block of N bytes raises them to N and 2N (up to 32 and 64 MiB): after
+    one burst of large frames (zstd bombs, half-sent frames) blocks that size come from the arenas,
+    and every thread's arena (trio's, the decode workers') keeps up to 64 MiB free at its top, which
+    `malloc_trim` hands back for the main arena only. Measured on a daemon: 20 zstd frames of 16 MiB
+    left +16 MiB in a decode worker's arena through gc and trims, none once pinned (the cost: blocks
+    of 1 MiB and more are mapped and unmapped each time, a page fault a page). False without glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        libc = _libc()
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                     HEAP_TRIM_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the kernel (glibc keeps them after repacking's staging
+    buffers are freed: about 40% on top of a layer's weights). No-op where there is no glibc."""
+    try:
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass

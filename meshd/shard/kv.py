@@ -198,6 +198,13 @@ class KVStore:
                 self.release(key)
             return expired
 
+    def idle(self, idle_s: float) -> list[Hashable]:
+        """Sessions unused for more than `idle_s` seconds, the longest unused first."""
+        with self._lock:
+            now = self.clock()
+            quiet = [(kv.last_used, k) for k, kv in self._sessions.items() if now - kv.last_used > idle_s]
+        return [k for _, k in sorted(quiet, key=lambda item: item[0])]
+
     def charge(self, kv: SessionKV, delta: int) -> None:
         with self._lock:
             if self.used_bytes + delta > self.budget_bytes:

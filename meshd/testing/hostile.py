@@ -87,6 +87,9 @@ class HostilePeer:
         try:
             for _ in range(count):
                 await ch.send_bytes(frame)
+        except ChannelClosed:  # refused and reset: what the daemon answered first is still there to read
+            pass
+        try:
             with trio.move_on_after(REPLY_TIMEOUT):
                 while len(replies) <= count:
                     replies.append(await ch.receive(REPLY_TIMEOUT))
