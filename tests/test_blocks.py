@@ -241,6 +241,8 @@ def test_weights_are_tiled_only_where_the_type_rows_and_layout_allow(monkeypatch
         blocks.set_layout("columns")
     assert not weight(QT.Q8_0, 16, 64)[0].tiled  # memory-bound: its rows were faster
     monkeypatch.setattr(blocks, "isa", lambda: "avx512")
+    assert weight(QT.Q4_0, 16, 64)[0].tiled and not weight(QT.Q8_0, 16, 64)[0].tiled
+    monkeypatch.setattr(blocks, "isa", lambda: "portable")
     assert not weight(QT.Q4_0, 16, 64)[0].tiled
     blocks.set_layout("tiles")
     try:

@@ -136,11 +136,12 @@ def set_layout(name: str) -> None:
 
 def tiles_pay(qtype: QT) -> bool:
     """Whether this process keeps weights of this type in tiles: Q4_0 and Q4_1 where the kernel runs on
-    AVX2 (the other paths read tiles too, and give the same bits). Q8_0 stays in rows: its tiles took
-    up to twice the time of its rows for one x row (memory-bound; kernel_bench shapes, CPU avx2 avx512f)."""
+    AVX2 or AVX-512 (the portable path reads tiles too, and gives the same bits). Q8_0 stays in rows: its
+    tiles took up to twice the time of its rows for one x row (memory-bound; kernel_bench shapes, CPU
+    avx2 avx512f)."""
     if _layout != "auto":
         return _layout == "tiles" and qtype in TILE_TYPES
-    return qtype in (QT.Q4_0, QT.Q4_1) and isa() == "avx2"
+    return qtype in (QT.Q4_0, QT.Q4_1) and isa() in ("avx2", "avx512")
 
 
 def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
