@@ -58,19 +58,25 @@ static void tile_rows(int qtype, const uint8_t *src, uint8_t *dst, int64_t n, in
         }
 }
 
-/* The portable path over tiles: each tile back in rows (a stack buffer), then the row path. */
+/* The portable path over tiles: rows_portable's sums, each block put back in the file's layout as
+ * it is met (a block's bytes on the stack). */
 static void rows_tiled_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
-    int bb = block_bytes(qtype);
-    uint8_t *rows = malloc((size_t)TILE * row_bytes);
-    if (!rows) abort(); /* a few KB; the caller's buffers were larger */
-    for (int64_t c0 = n0; c0 < n1; c0 += TILE) {
-        const uint8_t *tile = w + c0 * row_bytes;
-        for (int64_t b = 0; b < nb; b++)
-            for (int r = 0; r < TILE; r++) untile_block(qtype, tile + b * TILE * bb, r, rows + r * row_bytes + b * bb);
-        rows_portable(qtype, rows, row_bytes, 0, TILE, n, xq, m, nb, y + c0, accumulate);
+    int bb8 = TILE * block_bytes(qtype);
+    uint8_t blk[64];
+    for (int64_t col = n0; col < n1; col++) {
+        const uint8_t *tile = w + (col - col % TILE) * row_bytes;
+        for (int64_t r = 0; r < m; r++) {
+            const XBlock *xr = xq + r * nb;
+            float lane[8] = {0}, off = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                untile_block(qtype, tile + b * bb8, (int)(col % TILE), blk);
+                block_step_portable(qtype, blk, 0, xr + b, lane, &off);
+            }
+            float sum = lanes_sum(lane) + off;
+            y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
+        }
     }
-    free(rows);
 }
 
 #if HAVE_X86
