@@ -137,18 +137,27 @@ def test_a_relayed_hop_is_priced_by_its_latency_and_a_direct_peer_covering_the_s
     assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["d"]
     # a malformed circuit address in a peer's record names no relay: priced as unmeasured, no error
     odd = record("o", 10, 30, relay_addrs=("/p2p-circuit/garbage",))
-    assert link_latency([odd], {"R": 0.03})("o") == pytest.approx(0.06)  # twice the measured links' median
+    assert link_latency([odd], {"R": 0.03})("o") == pytest.approx(0.06)  # twice the slowest measured link
     # the relay measured at 30 ms, nothing else: its peers are priced at both legs, 60 ms
     assert link_latency(cov.records, {"R": 0.03})("h") == pytest.approx(0.06)
-    # a peer never measured is priced like the measured links (their median), not at a constant below
-    # them: the one peer measured (a record pull on a loaded box) must not look slow next to it
+    # a peer never measured is priced at the slowest measured link, not below it: a peer measured (a
+    # record pull on a loaded box) must not look slower than an unknown one
     links = link_latency(cov.records, {"a": 0.010, "R": 0.030, "d": 0.020})
-    assert links("never") == pytest.approx(0.020) and links("h") == pytest.approx(0.030 + 0.020)
+    assert links("never") == pytest.approx(0.030) and links("h") == pytest.approx(0.030 + 0.030)
+    # CI's case: a fast-claiming tail measured at 44.7 ms, an honest one at 20.8, two never measured; the
+    # claim of speed decides between the measured slow peer and the unmeasured ones
+    tails = [record(p, 20, 30, throughput=t) for p, t in (("liar", 1e7), ("honest", 3296.6), ("u1", 918.9),
+                                                           ("u2", 3296.6))]
+    tail_cov = CoverageMap.build(30, [record("a", 0, 20), *tails])
+    tail_links = link_latency(tail_cov.records, {"liar": 0.0447, "honest": 0.0208})
+    assert tail_links("u1") == tail_links("liar")
+    assert plan_route(tail_cov, 20, latency=tail_links).hops[0].peer_id == "honest"
+    assert plan_route(tail_cov, 20, latency=tail_links, exclude={"honest"}).hops[0].peer_id == "liar"
     # measured round trips win over estimates, whichever way they point
     links = link_latency(cov.records, {"h": 0.004, "d": 0.050})
     assert [h.peer_id for h in plan_route(cov, 10, latency=links).hops] == ["h"]
     # the route's hop carries the circuit address after the direct ones, for the dialler
-    [hop] = plan_route(cov, 10, latency=link_latency(cov.records, {"d": 1.0, "R": 0.01})).hops
+    [hop] = plan_route(cov, 10, latency=link_latency(cov.records, {"d": 1.0, "R": 0.01, "h": 0.02})).hops
     assert hop.peer_id == "h" and hop.addrs == relayed.addrs + relayed.relay_addrs
 
 

@@ -81,10 +81,15 @@ def test_parts_of_mixed_types_run_as_one_weight():
     w = native_weight([q, v], torch.float32)
     ref = torch.from_numpy(np.concatenate([dequantize(q.data, QT.Q4_K).reshape(32, 256),
                                            dequantize(v.data, QT.Q8_0).reshape(16, 256)]))
-    x = torch.randn(2, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     assert w.shape == (48, 256)
-    expected = x @ ref.T  # the Q8_0 part may run on 8-bit activations (blocks.py): ~0.5% of the range
-    assert float((w.mm(x) - expected).abs().max()) <= 1e-2 * float(expected.abs().max())
+    # one weight: exactly its parts' products side by side
+    alone = torch.cat([native_weight([p], torch.float32).mm(x) for p in (q, v)], dim=-1)
+    assert torch.equal(w.mm(x), alone)
+    # and near the float product: the kernel quantizes activations to 8 bits per block (per 256 for Q4_K),
+    # a few percent of the range at most (CI once saw 1.2% on unseeded activations)
+    expected = x @ ref.T
+    assert float((w.mm(x) - expected).abs().max()) <= 3e-2 * float(expected.abs().max())
 
 
 def test_quantized_embedding_rows_are_dequantized_on_lookup():

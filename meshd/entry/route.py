@@ -8,7 +8,6 @@ Ties break deterministically (fewer hops, then peer id), so every entry plans th
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -49,14 +48,15 @@ class Route:
 
 def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], float]:
     """Each peer's link latency for planning: measured where known (a record round trip, which for a
-    peer reached through a relay includes both legs). A peer never measured is priced at the median
-    of the measured links (the default when none is): a round trip is measured only when a record
-    happens to be pulled or stored, and pricing the others at a constant below what a loaded box
-    measures made every measured peer look slow next to them. A peer reached only through relays
-    and never measured is priced at both legs: its nearest relay's latency (measured, else the
-    prior) plus the prior for the leg behind the relay, so an unmeasured direct peer wins over an
-    unmeasured relayed one."""
-    prior = statistics.median(measured.values()) if measured else DEFAULT_LATENCY
+    peer reached through a relay includes both legs). A peer never measured is priced at the slowest
+    measured link (the default when none is): a round trip is measured only when a record happens to
+    be pulled or stored, so which peers have one is chance, and a peer must never look slower than
+    an unknown one merely for having been measured (priced at a constant 5 ms, then at the median of
+    the measured links, the one peer measured at 22.8 ms, or one at 44.7 ms beside another at 20.8 ms,
+    lost to every unmeasured peer on a loaded box). A peer reached only through relays and never
+    measured is priced at both legs: its nearest relay's latency (measured, else the prior) plus the
+    prior for the leg behind the relay, so an unmeasured direct peer wins over an unmeasured relayed one."""
+    prior = max(measured.values()) if measured else DEFAULT_LATENCY
     relayed: dict[str, float] = {}
     for r in records:
         if r.peer_id in measured or not r.relay_addrs:
