@@ -198,6 +198,17 @@ def test_tiles_give_the_bits_of_rows_on_every_path_batch_and_thread_count(qt):
         assert torch.equal(blocks.BlockWeight.from_raw(qt, raw, 256, tiles=True).mm(x), want), fill
 
 
+def tile_in_numpy(qtype: QT, rows: np.ndarray) -> np.ndarray:
+    """`blocks.tile` as array operations: the reference for the kernel's repacking."""
+    n, row_bytes = rows.shape
+    _, size = GGML_QUANT_SIZES[qtype]
+    nb, head, t = row_bytes // size, (4 if qtype == QT.Q4_1 else 2), n // blocks.TILE
+    b = rows.reshape(t, blocks.TILE, nb, size)
+    halves = b[..., :head].reshape(t, blocks.TILE, nb, head // 2, 2).transpose(0, 2, 3, 1, 4).reshape(t, nb, -1)
+    codes = b[..., head:].reshape(t, blocks.TILE, nb, (size - head) // 4, 4).transpose(0, 2, 3, 1, 4).reshape(t, nb, -1)
+    return np.concatenate([halves, codes], axis=2).reshape(n, row_bytes)
+
+
 def test_a_tile_holds_its_rows_bytes_where_the_kernel_reads_them():
     """Per tile of eight rows and per block: the eight d halves, Q4_1's eight m halves, then each
     group of four code bytes, row after row (_blocks_tiles.c)."""
@@ -207,7 +218,7 @@ def test_a_tile_holds_its_rows_bytes_where_the_kernel_reads_them():
         raw = rng.integers(0, 256, (16, 3 * size), dtype=np.uint8)
         tiled = blocks.tile(qt, raw)
         assert tiled.shape == raw.shape and sorted(tiled.ravel()) == sorted(raw.ravel())
-        assert np.array_equal(blocks.tile_in_numpy(qt, raw), tiled)  # the kernel's repacking and numpy's
+        assert np.array_equal(tile_in_numpy(qt, raw), tiled)  # the kernel's repacking and numpy's
         blocks_of = raw.reshape(2, 8, 3, size)  # [tile, row, block, byte]
         for t in range(2):
             for b in range(3):

@@ -1,7 +1,8 @@
 """GGUF blocks multiplied as they are stored: the native lane's kernels for Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0, Q4_K, Q5_K and Q6_K, its RMSNorm and its attention over bfloat16 KV.
 
-Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte) and
+Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte; Q4_0
+and Q4_1 reordered into tiles of eight rows where the vector paths run, `tiles_pay`) and
 multiplies them with integer dot products against float32 activations quantized to 8 bits per
 32-wide block (for a K type, per 256-wide super-block, whose sub-block scales, mins and Q6_K's code
 offset are then applied in integers, one float step per super-block), in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
@@ -152,23 +153,11 @@ def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
     _, size = GGML_QUANT_SIZES[qtype]
     if qtype not in TILE_TYPES or n % TILE or row_bytes % size:
         raise ValueError(f"{qtype.name} [{n}, {row_bytes}] bytes cannot be tiled")
-    if KERNEL is not None:  # the same bytes as below, in one pass (numpy's took 1.4 s of a 663 MB load)
-        rows = np.ascontiguousarray(rows, dtype=np.uint8)
-        out = np.empty_like(rows)
-        KERNEL.tile(int(qtype), rows.ctypes.data, out.ctypes.data, n, row_bytes)
-        return out
-    return tile_in_numpy(qtype, rows)
-
-
-def tile_in_numpy(qtype: QT, rows: np.ndarray) -> np.ndarray:
-    """`tile` as array operations: its reference (tests), and the way where the kernel is absent."""
-    n, row_bytes = rows.shape
-    _, size = GGML_QUANT_SIZES[qtype]
-    nb, head, t = row_bytes // size, (4 if qtype == QT.Q4_1 else 2), n // TILE
-    b = rows.reshape(t, TILE, nb, size)
-    halves = b[..., :head].reshape(t, TILE, nb, head // 2, 2).transpose(0, 2, 3, 1, 4).reshape(t, nb, -1)
-    codes = b[..., head:].reshape(t, TILE, nb, (size - head) // 4, 4).transpose(0, 2, 3, 1, 4).reshape(t, nb, -1)
-    return np.concatenate([halves, codes], axis=2).reshape(n, row_bytes)
+    # in C, one pass (numpy's transposes took 1.4 s of a 663 MB load; the tests keep them as the reference)
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    out = np.empty_like(rows)
+    KERNEL.tile(int(qtype), rows.ctypes.data, out.ctypes.data, n, row_bytes)
+    return out
 
 
 @dataclass
