@@ -238,6 +238,25 @@ def test_a_tile_holds_its_rows_bytes_where_the_kernel_reads_them():
         blocks.tile(QT.Q5_0, np.zeros((8, 22), np.uint8))
 
 
+@pytest.mark.parametrize("qt", TILE_TYPES, ids=lambda q: q.name)
+def test_a_tied_table_in_tiles_looks_up_the_rows_of_the_file(qt):
+    """A tied LM head's table in tiles: the embedding reads each row back exactly as the file has it."""
+    from gguf.quants import quantize as q
+
+    from meshd.shard.linear import lookup
+    from meshd.shard.quant import QuantRows, RawTensor
+
+    rng = np.random.default_rng(3)
+    raw = q(rng.standard_normal((40, 96)).astype(np.float32), qt)
+    ids = rng.integers(0, 40, 25)
+    assert np.array_equal(blocks.untile_rows(qt, blocks.tile(qt, raw), ids), raw[ids])
+    table = QuantRows(RawTensor("token_embd.weight", qt, (40, 96), raw))
+    before = lookup(table, torch.from_numpy(ids).reshape(5, 5))
+    table.retile()
+    assert table.tiled and not np.array_equal(table.data.numpy(), raw)
+    assert torch.equal(lookup(table, torch.from_numpy(ids).reshape(5, 5)), before)
+
+
 def test_weights_are_tiled_only_where_the_type_rows_and_layout_allow(monkeypatch):
     monkeypatch.setattr(blocks, "isa", lambda: "avx2")  # where tiles pay
     assert weight(QT.Q4_0, 16, 64)[0].tiled
@@ -250,9 +269,11 @@ def test_weights_are_tiled_only_where_the_type_rows_and_layout_allow(monkeypatch
         blocks.set_layout("auto")
     with pytest.raises(ValueError, match="unknown weight layout"):
         blocks.set_layout("columns")
-    assert not weight(QT.Q8_0, 16, 64)[0].tiled  # memory-bound: its rows were faster
+    monkeypatch.setattr(blocks, "isa", lambda: "avx2")
+    assert weight(QT.Q4_0, 16, 64)[0].tiled
+    assert not weight(QT.Q8_0, 16, 64)[0].tiled  # on AVX2 its rows were faster for one x row
     monkeypatch.setattr(blocks, "isa", lambda: "avx512")
-    assert weight(QT.Q4_0, 16, 64)[0].tiled and not weight(QT.Q8_0, 16, 64)[0].tiled
+    assert weight(QT.Q4_0, 16, 64)[0].tiled and weight(QT.Q8_0, 16, 64)[0].tiled
     monkeypatch.setattr(blocks, "isa", lambda: "portable")
     assert not weight(QT.Q4_0, 16, 64)[0].tiled
     blocks.set_layout("tiles")
@@ -282,14 +303,62 @@ def test_the_layout_names_every_type_the_kernel_runs():
     assert all(t.name in blocks.LAYOUT for t in TYPES) and set(TYPES) == blocks.TYPES
 
 
-def test_the_native_fingerprint_covers_the_k_types_activation_recipe():
-    """K types quantize activations per 256 (v3): peers with the per-32 kernel (v2) must not share a route."""
+def test_the_native_fingerprint_covers_the_kernel_recipe():
+    """v3 quantized K types' activations per 256; v4 sums a 32-wide block as one integer and one fused
+    multiply-add: peers with an earlier kernel compute other bits and must not share a route."""
     from meshd.shard import recipe
 
-    assert "q8-g256" in blocks.LAYOUT and blocks.LAYOUT.endswith("v3")
+    assert "q8-g256" in blocks.LAYOUT and blocks.LAYOUT.endswith("v4")
     assert blocks.LAYOUT in recipe.NATIVE.layout
-    v2 = dataclasses.replace(recipe.NATIVE, layout=recipe.NATIVE.layout.replace(blocks.LAYOUT, "v2"))
-    assert v2.fingerprint("m", "a", "t") != recipe.NATIVE.fingerprint("m", "a", "t")
+    for old in ("v2", "v3"):
+        earlier = dataclasses.replace(recipe.NATIVE, layout=recipe.NATIVE.layout.replace(blocks.LAYOUT, old))
+        assert earlier.fingerprint("m", "a", "t") != recipe.NATIVE.fingerprint("m", "a", "t")
+
+
+def recipe_in_numpy(qt: QT, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Recipe v4 for Q4_0, Q4_1 and Q8_0 written out: activations quantized per 32 as the kernel does;
+    per block the exact integer t of codes times x's codes (Q4_0's offset of 8 taken off as 8 times
+    x's sum); acc = fma(a * xd, t, acc) in K order (in 64-bit-mantissa floats, exact, then rounded
+    once to float32); Q4_1's offsets apart, off = fma(m, xs, off); the output acc + off."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(g).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
+    q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int64)
+    xs = (d * q.sum(axis=-1).astype(np.float32)).astype(np.float32)
+    _, size = GGML_QUANT_SIZES[qt]
+    blk = raw.reshape(raw.shape[0], -1, size)
+    a = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qt == QT.Q8_0:
+        u = blk[..., 2:].view(np.int8).astype(np.int64)
+    else:
+        nib = blk[..., 4 if qt == QT.Q4_1 else 2:].astype(np.int64)
+        u = np.concatenate([nib & 15, nib >> 4], axis=-1) - (8 if qt == QT.Q4_0 else 0)
+    m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qt == QT.Q4_1 else None
+    t = np.einsum("nbe,rbe->rnb", u, q)  # [x rows, weight rows, blocks], exact
+    f = np.longdouble
+    acc = np.zeros(t.shape[:2], np.float32)
+    off = np.zeros(t.shape[:2], np.float32)
+    for b in range(t.shape[2]):
+        scale = (a[None, :, b] * d[:, None, b]).astype(np.float32)
+        acc = (scale.astype(f) * t[..., b].astype(f) + acc.astype(f)).astype(np.float32)
+        if m is not None:
+            off = (m[None, :, b].astype(f) * xs[:, None, b].astype(f) + off.astype(f)).astype(np.float32)
+    return acc + off
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def test_a_32_wide_block_is_one_integer_sum_and_one_fused_multiply_add(qt):
+    """The kernel's bits are recipe v4's as written out in numpy, in both layouts and on every path."""
+    rng = np.random.default_rng(7)
+    raw = quantize(rng.standard_normal((16, 256)).astype(np.float32), qt)
+    x = rng.standard_normal((5, 256)).astype(np.float32) * 3
+    x[1, :32] = 0.0  # a block of zeros: d = 0
+    want = torch.from_numpy(recipe_in_numpy(qt, raw, x))
+    for tiles in (False, True):
+        w = blocks.BlockWeight.from_raw(qt, raw, 256, tiles=tiles)
+        for path in ({"portable": True}, {"at_most": "avx2"}, {}):
+            got = dataclasses.replace(w, **path).mm(torch.from_numpy(x))
+            assert torch.equal(got, want), (tiles, path, (got - want).abs().max())
 
 
 def test_zero_rows_and_subnormal_scales_are_exact():

@@ -9,14 +9,19 @@
  *
  * Rules this file keeps:
  * - Every output is summed in one fixed order, whatever M, the rows' place in the batch, the number of
- *   threads or the instruction set: per output, eight float lanes accumulate the blocks in K order
- *   (lane j holds elements 4j..4j+3 of every block: exact integer sums, then one fused multiply-add
- *   each), then one fixed horizontal sum, then the offset term. The AVX-512 path (_blocks_avx512.c),
- *   the AVX2 path and the portable path compute the same bits (tested), so peers on different CPUs
- *   agree and a batch equals its rows alone.
+ *   threads, the instruction set or the weight's layout (rows or tiles). 32-wide types (recipe v4):
+ *   per output, each block in K order gives one exact integer t (the dot product of its codes and
+ *   x's, the code offset of Q4_0 and Q5_0, 8 or 16 times x's sum of q, taken off in integers), and
+ *   acc = fmaf(a * xd, (float)t, acc); Q4_1's and Q5_1's own offsets m go apart, off = fmaf(m, xs,
+ *   off), in K order; the output is acc + off. K types: eight float lanes accumulate the super-blocks
+ *   in K order (see "K types" in _blocks_portable.c), then one fixed horizontal sum. The AVX-512
+ *   path (_blocks_avx512.c), the AVX2 path and the portable path compute the same bits (tested), so
+ *   peers on different CPUs agree and a batch equals its rows alone. Integers are exact in any order,
+ *   so each path sums a block's products as its instructions like (int16 pairs, VNNI, horizontal
+ *   adds across rows); only the float steps above have an order.
  * - Activations: per row and block of 32 (K types: of 256), d = max|x| / 127, q = nearbyint(x * (1 / d))
- *   in [-127, 127], and s = d * sum(q) (for the weight's per-block offset; K types: the sums of q per
- *   16). Part of the recipe: it changes the numbers.
+ *   in [-127, 127], sum(q), and s = d * sum(q) (for the weight's own per-block offset; K types: the
+ *   sums of q per 16). Part of the recipe: it changes the numbers.
  * - Threads split the output features: a job's parts (a share per thread) are claimed by whichever
  *   thread is free, the caller too; a pool of workers spins briefly between calls, then sleeps.
  * - The rest of a Llama layer lives here too, per row and in fixed orders (RMSNorm, RoPE into the

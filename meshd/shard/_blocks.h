@@ -31,7 +31,8 @@ enum { QK = 32, QKK = 256, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_
 
 typedef struct {
     float d;     /* scale */
-    float s;     /* d * sum(q) */
+    float s;     /* d * sum(q): the term of a weight block's own offset (Q4_1, Q5_1) */
+    int32_t sum; /* sum(q): Q4_0's and Q5_0's code offset, folded into the block's integer sum */
     int8_t q[QK];
 } XBlock;
 
@@ -109,22 +110,24 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-/* 32-wide block b of a row (not a K type: they go a super-block at a time) as w = a * u + c. The
- * offsets are exact in float32 (an 11-bit half times 8 or 16), so the AVX2 path shares this. */
+/* 32-wide block b of a row (not a K type: they go a super-block at a time) as w = a * (u - bias) + c:
+ * Q4_0's and Q5_0's codes are offset by 8 and 16 (code_bias), taken off inside the block's integer sum;
+ * Q4_1 and Q5_1 carry their own offset c (a half: own_offset), whose term goes apart; Q8_0's codes are
+ * signed, with neither. */
+static inline int code_bias(int qtype) { return qtype == Q4_0 ? 8 : (qtype == Q5_0 ? 16 : 0); }
+static inline int own_offset(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
+
 #define BLOCK_SCALES_BODY(HALF) \
 { \
     const uint8_t *blk = row + b * block_bytes(qtype); \
     *a = HALF(blk); \
-    *c = 0.0f; \
-    if (qtype == Q4_1 || qtype == Q5_1) *c = HALF(blk + 2); \
-    else if (qtype == Q4_0) *c = -8.0f * *a; \
-    else if (qtype == Q5_0) *c = -16.0f * *a; \
+    *c = own_offset(qtype) ? HALF(blk + 2) : 0.0f; \
 }
 
 static inline void block_scales(int qtype, const uint8_t *row, int64_t b, float *a, float *c)
 BLOCK_SCALES_BODY(half_at)
 
-/* The fixed horizontal sum of eight lanes, shared by every path. */
+/* The fixed horizontal sum of eight lanes: the K types' outputs, and the norms' and attention's sums. */
 static inline float lanes_sum(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }

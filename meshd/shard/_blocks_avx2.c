@@ -57,6 +57,7 @@ AVX2 static inline __attribute__((always_inline)) void scales_f16c(const int qty
                                                                    float *a, float *c)
 BLOCK_SCALES_BODY(half_f16c)
 
+/* The K types' outputs: each row's eight lanes in lanes_sum's order. */
 AVX2 static inline void finish_avx2(const __m256 *acc, const float *off, int rows, float *out, int accumulate) {
     for (int i = 0; i < rows; i++) {
         float lane[8];
@@ -66,40 +67,75 @@ AVX2 static inline void finish_avx2(const __m256 *acc, const float *off, int row
     }
 }
 
+/* Four rows' block sums from their eight-lane partial sums d0..d3: lane i of the result is row i's
+ * whole integer (integers are exact in any order). */
+AVX2 static inline __m128i rows4_sum(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* The 32-wide types' outputs, `rows` lanes of them: acc + off, then the residual where accumulating. */
+AVX2 static inline void finish4(__m128 acc, __m128 off, int rows, float *out, int accumulate) {
+    float s[4];
+    _mm_storeu_ps(s, _mm_add_ps(acc, off));
+    for (int i = 0; i < rows; i++) out[i] = accumulate ? out[i] + s[i] : s[i]; /* x + (W h) */
+}
+
+/* Four rows at block b, t their exact integers (before the code offset): acc += (a * xd) * t and,
+ * for a weight's own offsets, off += c * xs; rows past a short strip carry zero codes and scales. */
+AVX2 static inline __attribute__((always_inline)) void
+step_t4(const int qtype, __m128i t, __m128 a, __m128 c, const XBlock *x, __m128 *acc, __m128 *off) {
+    if (code_bias(qtype)) t = _mm_sub_epi32(t, _mm_set1_epi32(code_bias(qtype) * x->sum));
+    *acc = _mm_fmadd_ps(_mm_mul_ps(a, _mm_set1_ps(x->d)), _mm_cvtepi32_ps(t), *acc);
+    if (own_offset(qtype)) *off = _mm_fmadd_ps(c, _mm_set1_ps(x->s), *off);
+}
+
+/* step_t4 from the four rows' eight-lane partial sums. */
+AVX2 static inline __attribute__((always_inline)) void
+step4(const int qtype, __m256i d0, __m256i d1, __m256i d2, __m256i d3, __m128 a, __m128 c, const XBlock *x,
+      __m128 *acc, __m128 *off) {
+    step_t4(qtype, rows4_sum(d0, d1, d2, d3), a, c, x, acc, off);
+}
+
 /* One x row against one strip of `rows` weight rows, each block decoded where it is met. Inlined
  * with constant qtype and rows, so the accumulators stay in registers and the type's branches fold
- * away (a variable bound kept them on the stack: 0.103 -> see kernel_bench). */
+ * away. */
 AVX2 static inline __attribute__((always_inline)) void
 strip_direct(const int qtype, const int rows, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1,
              const XBlock *xr, int64_t nb, float *out, int accumulate) {
     const int sgn = signed_codes(qtype);
-    __m256 acc[STRIP];
-    float off[STRIP];
-    for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
+    __m128 acc = _mm_setzero_ps(), off = _mm_setzero_ps();
     /* the next strips stream in while this one is summed (its rows are read side by side, too
      * short for the hardware prefetcher: 2.3x the bandwidth out of cache, measured) */
     const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
     int64_t ahead = c0 + 8 * STRIP < n1 ? STRIP * row_bytes : 0, per = (STRIP * row_bytes + nb - 1) / nb;
     for (int64_t b = 0; b < nb; b++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
-        float xd = xr[b].d, xs = xr[b].s;
         for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
-        for (int i = 0; i < rows; i++) {
-            const uint8_t *row = w + (c0 + i) * row_bytes;
-            float a, c;
-            scales_f16c(qtype, row, b, &a, &c);
-            __m256 s = _mm256_cvtepi32_ps(dot_avx2(sgn, codes_avx2(qtype, row, b), q));
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a * xd), s, acc[i]);
-            if (!sgn) off[i] = fmaf(c, xs, off[i]);
+        __m256i d[STRIP];
+        float a[STRIP], c[STRIP];
+        for (int i = 0; i < STRIP; i++) {
+            if (i < rows) {
+                const uint8_t *row = w + (c0 + i) * row_bytes;
+                scales_f16c(qtype, row, b, &a[i], &c[i]);
+                d[i] = dot_avx2(sgn, codes_avx2(qtype, row, b), q);
+            } else {
+                a[i] = c[i] = 0.0f;
+                d[i] = _mm256_setzero_si256();
+            }
         }
+        step4(qtype, d[0], d[1], d[2], d[3], _mm_setr_ps(a[0], a[1], a[2], a[3]), _mm_setr_ps(c[0], c[1], c[2], c[3]),
+              xr + b, &acc, &off);
     }
-    finish_avx2(acc, off, rows, out, accumulate);
+    finish4(acc, off, rows, out, accumulate);
 }
 
 #define STRIP_DIRECT(QT)                                                                                    \
     do {                                                                                                    \
         if (rows == STRIP) strip_direct(QT, STRIP, w, row_bytes, c0, n1, xr, nb, out, accumulate);          \
-        else strip_direct(QT, rows, w, row_bytes, c0, n1, xr, nb, out, accumulate);                         \
+        else if (rows == 3) strip_direct(QT, 3, w, row_bytes, c0, n1, xr, nb, out, accumulate);             \
+        else if (rows == 2) strip_direct(QT, 2, w, row_bytes, c0, n1, xr, nb, out, accumulate);             \
+        else strip_direct(QT, 1, w, row_bytes, c0, n1, xr, nb, out, accumulate);                            \
     } while (0)
 
 /* Few x rows (decode): STRIP weight rows side by side, each x row in turn. */
@@ -121,35 +157,22 @@ AVX2 static void rows_avx2_direct(int qtype, const uint8_t *w, int64_t row_bytes
     }
 }
 
-/* Every x row against one decoded strip; `sgn` (no offsets) is a constant where it is inlined, so
- * the inner loop has no branch. */
+/* Every x row against one decoded strip (a short strip's missing rows decoded as zeros, so every
+ * strip is met as four rows and only its own are stored); qtype a constant where it is inlined. */
 AVX2 static inline __attribute__((always_inline)) void
-strips_meet(const int sgn, const __m256i *codes, const float *sa, const float *sb,
+strips_meet(const int qtype, const __m256i *codes, const float *sa, const float *sb,
             int rows, const XBlock *xq, int64_t m, int64_t nb, float *y, int64_t n, int accumulate) {
+    const int sgn = signed_codes(qtype);
     for (int64_t r = 0; r < m; r++) {
         const XBlock *xr = xq + r * nb;
-        __m256 acc[STRIP];
-        float off[STRIP];
-        __m128 off4 = _mm_setzero_ps();
-        for (int i = 0; i < STRIP; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0.0f; }
+        __m128 acc = _mm_setzero_ps(), off = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)xr[b].q);
-            float xd = xr[b].d, xs = xr[b].s;
-            /* a whole strip's four scales (sa[i] * xd) and offsets (off[i] = fmaf(sb[i], xs, off[i])) at
-             * once, the same roundings; a short strip's rows past `rows` were never decoded, so one by one */
-            float scale[STRIP];
-            if (rows == STRIP) _mm_storeu_ps(scale, _mm_mul_ps(_mm_loadu_ps(sa + STRIP * b), _mm_set1_ps(xd)));
-            else for (int i = 0; i < rows; i++) scale[i] = sa[b * STRIP + i] * xd;
-            for (int i = 0; i < rows; i++) {
-                __m256 sum = _mm256_cvtepi32_ps(dot_avx2(sgn, codes[b * STRIP + i], q));
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[i]), sum, acc[i]);
-            }
-            if (sgn) continue;
-            if (rows == STRIP) off4 = _mm_fmadd_ps(_mm_loadu_ps(sb + STRIP * b), _mm_set1_ps(xs), off4);
-            else for (int i = 0; i < rows; i++) off[i] = fmaf(sb[b * STRIP + i], xs, off[i]);
+            const __m256i *u = codes + b * STRIP;
+            step4(qtype, dot_avx2(sgn, u[0], q), dot_avx2(sgn, u[1], q), dot_avx2(sgn, u[2], q), dot_avx2(sgn, u[3], q),
+                  _mm_loadu_ps(sa + STRIP * b), _mm_loadu_ps(sb + STRIP * b), xr + b, &acc, &off);
         }
-        if (rows == STRIP) _mm_storeu_ps(off, off4);
-        finish_avx2(acc, off, rows, y + r * n, accumulate);
+        finish4(acc, off, rows, y + r * n, accumulate);
     }
 }
 
@@ -173,16 +196,27 @@ static inline void prefetch_strip(const uint8_t *w, int64_t row_bytes, int64_t c
  * then met by every x row. */
 AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                                   const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
-    int sgn = signed_codes(qtype);
     __m256i *codes = aligned_alloc(32, (size_t)STRIP * nb * sizeof(__m256i));
     float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    if (!codes || !sa || !sb) { /* the same sums, each x row decoding for itself */
+        free(codes);
+        free(sa);
+        free(sb);
+        rows_avx2_direct(qtype, w, row_bytes, n0, n1, n, xq, m, nb, y, accumulate);
+        return;
+    }
     for (int64_t c0 = n0; c0 < n1; c0 += STRIP) {
         int rows = (int)(n1 - c0 < STRIP ? n1 - c0 : STRIP);
         prefetch_strip(w, row_bytes, c0 + AHEAD * STRIP, n1);
-        for (int i = 0; i < rows; i++) {
+        for (int i = 0; i < STRIP; i++) {
             const uint8_t *wr = w + (c0 + i) * row_bytes;
             for (int64_t b = 0; b < nb; b++) {
                 int64_t at = b * STRIP + i;
+                if (i >= rows) {
+                    codes[at] = _mm256_setzero_si256();
+                    sa[at] = sb[at] = 0.0f;
+                    continue;
+                }
                 switch (qtype) { /* constant types, so each decoder's branches fold away */
                 case Q4_0: codes[at] = codes_avx2(Q4_0, wr, b); break;
                 case Q4_1: codes[at] = codes_avx2(Q4_1, wr, b); break;
@@ -193,11 +227,13 @@ AVX2 static void rows_avx2_strips(int qtype, const uint8_t *w, int64_t row_bytes
                 scales_f16c(qtype, wr, b, &sa[at], &sb[at]);
             }
         }
-        /* a whole strip with its row count a constant, so the accumulators stay in registers */
-        if (sgn && rows == STRIP) strips_meet(1, codes, sa, sb, STRIP, xq, m, nb, y + c0, n, accumulate);
-        else if (rows == STRIP) strips_meet(0, codes, sa, sb, STRIP, xq, m, nb, y + c0, n, accumulate);
-        else if (sgn) strips_meet(1, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate);
-        else strips_meet(0, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate);
+        switch (qtype) { /* constant types, so the accumulators stay in registers and branches fold */
+        case Q4_0: strips_meet(Q4_0, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate); break;
+        case Q4_1: strips_meet(Q4_1, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate); break;
+        case Q5_0: strips_meet(Q5_0, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate); break;
+        case Q5_1: strips_meet(Q5_1, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate); break;
+        default: strips_meet(Q8_0, codes, sa, sb, rows, xq, m, nb, y + c0, n, accumulate); break;
+        }
     }
     free(codes);
     free(sa);
@@ -486,6 +522,7 @@ AVX2 static void quantize_rows_avx2(const float *x, int64_t m, int64_t k, XBlock
             quantize32_avx2(v, id, o->q, &lo, &hi);
             o->d = d;
             o->s = d * (float)(lo + hi);
+            o->sum = lo + hi;
         }
 }
 

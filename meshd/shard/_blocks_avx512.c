@@ -61,56 +61,69 @@ AVX512 static inline void finish_pairs(const __m512 *acc, const float *off, int 
 }
 
 /* Eight rows' block-b scales at once: their first four bytes gathered (a half d, and Q4_1 / Q5_1's
- * half m after it), all sixteen halves converted as F16C converts one. Lane 2i is row i's d, lane
- * 2i + 1 its m (junk for the types without one: their offset is d times -8 or -16, exactly). */
+ * half m after it), all sixteen halves converted as F16C converts one, then the d's put in lanes
+ * 0-7 and the m's in 8-15 (junk for the types without one, which never read them). */
 AVX512 static inline __attribute__((always_inline)) __m512 heads8(const uint8_t *blk, __m256i rows_at) {
-    return _mm512_cvtph_ps(_mm256_i32gather_epi32((const int *)blk, rows_at, 1));
+    const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    return _mm512_permutexvar_ps(split, _mm512_cvtph_ps(_mm256_i32gather_epi32((const int *)blk, rows_at, 1)));
+}
+
+/* Eight rows' block sums from four pair registers (z_p: rows 2p and 2p + 1, eight partial sums
+ * each): lane i of the result is row i's whole integer. */
+AVX512 static inline __m256i rows8_sum(__m512i z0, __m512i z1, __m512i z2, __m512i z3) {
+    __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
+    __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
+    __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    /* 128-bit lane 0 of c: rows 0, 2, 4, 6 over their partial sums 0-3, lane 1 over 4-7; lanes 2
+     * and 3: rows 1, 3, 5, 7 */
+    c = _mm512_add_epi32(c, _mm512_shuffle_i32x4(c, c, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, c));
+}
+
+/* Four rows' block sums from two pair registers (rows8_sum for two pairs). */
+AVX512 static inline __m128i rows4_sum_512(__m512i z0, __m512i z1) {
+    __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
+    a = _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    a = _mm512_add_epi32(a, _mm512_shuffle_i32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi32(order, a));
 }
 
 /* One x row against eight weight rows, each block decoded where it is met (strip_direct's order and
- * prefetch), the scales of all eight converted, multiplied and added as vectors (each lane the same
- * rounding as the scalar steps). */
+ * prefetch), the eight rows' integers, scales and offsets as vectors (each lane the same rounding
+ * as the scalar steps). */
 AVX512 static inline __attribute__((always_inline)) void
 strip8_direct_512(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t c0, int64_t n1, const XBlock *xr,
                   int64_t nb, float *out, int accumulate) {
     const int sgn = signed_codes(qtype), bb = block_bytes(qtype);
-    const float cmul = qtype == Q4_0 ? -8.0f : (qtype == Q5_0 ? -16.0f : 0.0f);
-    const int own_m = qtype == Q4_1 || qtype == Q5_1;
     const uint8_t *base = w + c0 * row_bytes;
     const __m256i rows_at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)row_bytes));
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 off = _mm512_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
     const char *next = (const char *)(w + (c0 + 8 * STRIP) * row_bytes);
     int64_t ahead = c0 + 8 * STRIP < n1 ? 8 * row_bytes : 0, per = (8 * row_bytes + nb - 1) / nb;
     for (int64_t b = 0; b < nb; b++) {
         __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[b].q)), bias = bias_vnni(sgn, q);
         for (int64_t p = b * per; p < (b + 1) * per && p < ahead; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
         __m512 dm = heads8(base + b * bb, rows_at);
-        __m512 scale = _mm512_mul_ps(dm, _mm512_set1_ps(xr[b].d)); /* lane 2i: a_i * xd */
-        if (!sgn) {
-            __m512 c = own_m ? dm : _mm512_mul_ps(dm, _mm512_set1_ps(cmul)); /* lane 2i + 1 or 2i: c_i */
-            off = _mm512_fmadd_ps(c, _mm512_set1_ps(xr[b].s), off);
-        }
+        __m512i z[4];
         for (int p = 0; p < 4; p++) {
             const uint8_t *r0 = base + 2 * p * row_bytes;
-            __m512 s = _mm512_permutexvar_ps(
-                _mm512_inserti64x4(_mm512_set1_epi32(4 * p), _mm256_set1_epi32(4 * p + 2), 1), scale);
-            __m512i u = flip_signed(sgn, codes_pair(qtype, r0, r0 + row_bytes, b));
-            __m512 dot = _mm512_cvtepi32_ps(dot_vnni(sgn, u, q, bias));
-            acc[p] = _mm512_fmadd_ps(s, dot, acc[p]);
+            z[p] = dot_vnni(sgn, flip_signed(sgn, codes_pair(qtype, r0, r0 + row_bytes, b)), q, bias);
         }
+        __m256i t = rows8_sum(z[0], z[1], z[2], z[3]);
+        if (code_bias(qtype)) t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(qtype) * xr[b].sum));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(dm), _mm256_set1_ps(xr[b].d)), _mm256_cvtepi32_ps(t), acc);
+        if (own_offset(qtype)) off = _mm256_fmadd_ps(_mm512_extractf32x8_ps(dm, 1), _mm256_set1_ps(xr[b].s), off);
     }
-    float lanes[16], o[8];
-    _mm512_storeu_ps(lanes, off);
-    for (int i = 0; i < 8; i++) o[i] = sgn ? 0.0f : lanes[own_m ? 2 * i + 1 : 2 * i];
-    finish_pairs(acc, o, 4, out, accumulate);
+    __m256 s = _mm256_add_ps(acc, off);
+    _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), s) : s); /* x + (W h) */
 }
 
 #define DIRECT_512(QT)                                                                                      \
     do {                                                                                                    \
         if (rows == 2 * STRIP) strip8_direct_512(QT, w, row_bytes, c0, n1, xr, nb, out, accumulate);          \
-        else if (rows == STRIP) strip_direct(QT, STRIP, w, row_bytes, c0, n1, xr, nb, out, accumulate);       \
-        else strip_direct(QT, rows, w, row_bytes, c0, n1, xr, nb, out, accumulate);                        \
+        else STRIP_DIRECT(QT);                                                                              \
     } while (0)
 
 /* Few x rows (decode): eight weight rows at a time where there are eight; a part's last four or fewer
@@ -134,28 +147,21 @@ AVX512 static void rows_avx512_direct(int qtype, const uint8_t *w, int64_t row_b
     }
 }
 
-/* Every x row against one decoded strip of STRIP rows (two pairs): the codes as pairs, the scales
- * as pair vectors, so a block's two products per pair are two instructions. */
+/* Every x row against one decoded strip of STRIP rows (two pairs): a block's four integers are two
+ * vpdpbusd and one reduction. */
 AVX512 static inline __attribute__((always_inline)) void
-strips_meet_512(const int sgn, const __m512i *codes, const __m512 *sa, const float *sb, const XBlock *xq, int64_t m,
+strips_meet_512(const int qtype, const __m512i *codes, const float *sa, const float *sb, const XBlock *xq, int64_t m,
                 int64_t nb, float *y, int64_t n, int accumulate) {
+    const int sgn = signed_codes(qtype);
     for (int64_t r = 0; r < m; r++) {
         const XBlock *xr = xq + r * nb;
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        __m128 off = _mm_setzero_ps();
+        __m128 acc = _mm_setzero_ps(), off = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr[b].q)), bias = bias_vnni(sgn, q);
-            __m512 xd = _mm512_set1_ps(xr[b].d);
-            for (int p = 0; p < 2; p++) {
-                __m512 s = _mm512_cvtepi32_ps(dot_vnni(sgn, codes[2 * b + p], q, bias));
-                acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(sa[2 * b + p], xd), s, acc[p]);
-            }
-            /* off[i] = fmaf(sb[i], xs, off[i]) for the four rows at once: the same roundings */
-            if (!sgn) off = _mm_fmadd_ps(_mm_loadu_ps(sb + STRIP * b), _mm_set1_ps(xr[b].s), off);
+            __m128i t = rows4_sum_512(dot_vnni(sgn, codes[2 * b], q, bias), dot_vnni(sgn, codes[2 * b + 1], q, bias));
+            step_t4(qtype, t, _mm_loadu_ps(sa + STRIP * b), _mm_loadu_ps(sb + STRIP * b), xr + b, &acc, &off);
         }
-        float o[STRIP];
-        _mm_storeu_ps(o, off);
-        finish_pairs(acc, o, 2, y + r * n, accumulate);
+        finish4(acc, off, STRIP, y + r * n, accumulate);
     }
 }
 
@@ -163,10 +169,8 @@ strips_meet_512(const int sgn, const __m512i *codes, const __m512 *sa, const flo
  * rows goes through AVX2's. */
 AVX512 static void rows_avx512_strips(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1,
                                       int64_t n, const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
-    int sgn = signed_codes(qtype);
     __m512i *codes = aligned_alloc(64, (size_t)2 * nb * sizeof(__m512i));
-    __m512 *sa = aligned_alloc(64, (size_t)2 * nb * sizeof(__m512));
-    float *sb = malloc((size_t)STRIP * nb * sizeof(float));
+    float *sa = malloc((size_t)STRIP * nb * sizeof(float)), *sb = malloc((size_t)STRIP * nb * sizeof(float));
     int64_t whole = n0 + (n1 - n0) / STRIP * STRIP;
     if (!codes || !sa || !sb) whole = n0; /* out of memory: all of it on AVX2, which allocates less */
     for (int64_t c0 = n0; c0 < whole; c0 += STRIP) {
@@ -174,7 +178,6 @@ AVX512 static void rows_avx512_strips(int qtype, const uint8_t *w, int64_t row_b
         for (int p = 0; p < 2; p++) /* a pair's two rows read front to back, as the prefetchers like */
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *r0 = w + (c0 + 2 * p) * row_bytes, *r1 = r0 + row_bytes;
-                float a0, a1;
                 switch (qtype) { /* constant types, so each decoder's branches fold away */
                 case Q4_0: codes[2 * b + p] = codes_pair(Q4_0, r0, r1, b); break;
                 case Q4_1: codes[2 * b + p] = codes_pair(Q4_1, r0, r1, b); break;
@@ -182,12 +185,16 @@ AVX512 static void rows_avx512_strips(int qtype, const uint8_t *w, int64_t row_b
                 case Q5_1: codes[2 * b + p] = codes_pair(Q5_1, r0, r1, b); break;
                 default: codes[2 * b + p] = flip_signed(1, codes_pair(Q8_0, r0, r1, b)); break;
                 }
-                scales_f16c(qtype, r0, b, &a0, &sb[STRIP * b + 2 * p]);
-                scales_f16c(qtype, r1, b, &a1, &sb[STRIP * b + 2 * p + 1]);
-                sa[2 * b + p] = pair_ps(a0, a1);
+                scales_f16c(qtype, r0, b, &sa[STRIP * b + 2 * p], &sb[STRIP * b + 2 * p]);
+                scales_f16c(qtype, r1, b, &sa[STRIP * b + 2 * p + 1], &sb[STRIP * b + 2 * p + 1]);
             }
-        if (sgn) strips_meet_512(1, codes, sa, sb, xq, m, nb, y + c0, n, accumulate);
-        else strips_meet_512(0, codes, sa, sb, xq, m, nb, y + c0, n, accumulate);
+        switch (qtype) {
+        case Q4_0: strips_meet_512(Q4_0, codes, sa, sb, xq, m, nb, y + c0, n, accumulate); break;
+        case Q4_1: strips_meet_512(Q4_1, codes, sa, sb, xq, m, nb, y + c0, n, accumulate); break;
+        case Q5_0: strips_meet_512(Q5_0, codes, sa, sb, xq, m, nb, y + c0, n, accumulate); break;
+        case Q5_1: strips_meet_512(Q5_1, codes, sa, sb, xq, m, nb, y + c0, n, accumulate); break;
+        default: strips_meet_512(Q8_0, codes, sa, sb, xq, m, nb, y + c0, n, accumulate); break;
+        }
     }
     free(codes);
     free(sa);

@@ -22,6 +22,7 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, XBlock *out) {
             }
             o->d = d;
             o->s = d * (float)sum;
+            o->sum = sum;
         }
     }
 }
@@ -100,21 +101,20 @@ static inline void unpack_codes(int qtype, const uint8_t *row, int64_t b, int8_t
     }
 }
 
-/* Block b of a row met by x's block: into the eight lanes (exact integer sums, one fused multiply-add
- * each) and the offset term. */
-static inline void block_step_portable(int qtype, const uint8_t *row, int64_t b, const XBlock *x, float *lane,
+/* Block b of a row met by x's block: its exact integer sum (the codes' offset taken off in integers),
+ * into the output's accumulator with one fused multiply-add by a * xd, and a weight's own offset into
+ * the offset term. */
+static inline void block_step_portable(int qtype, const uint8_t *row, int64_t b, const XBlock *x, float *acc,
                                        float *off) {
     int8_t u[QK];
     float a, c;
     block_scales(qtype, row, b, &a, &c);
     unpack_codes(qtype, row, b, u);
-    float scale = a * x->d;
-    for (int j = 0; j < 8; j++) {
-        int32_t s = 0;
-        for (int t = 0; t < 4; t++) s += (int32_t)u[4 * j + t] * (int32_t)x->q[4 * j + t];
-        lane[j] = fmaf(scale, (float)s, lane[j]);
-    }
-    if (!signed_codes(qtype)) *off = fmaf(c, x->s, *off);
+    int32_t t = 0;
+    for (int i = 0; i < QK; i++) t += (int32_t)u[i] * (int32_t)x->q[i];
+    t -= code_bias(qtype) * x->sum;
+    *acc = fmaf(a * x->d, (float)t, *acc);
+    if (own_offset(qtype)) *off = fmaf(c, x->s, *off);
 }
 
 static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
@@ -123,9 +123,9 @@ static void rows_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_
         const uint8_t *wr = w + col * row_bytes;
         for (int64_t r = 0; r < m; r++) {
             const XBlock *xr = xq + r * nb;
-            float lane[8] = {0}, off = 0.0f;
-            for (int64_t b = 0; b < nb; b++) block_step_portable(qtype, wr, b, xr + b, lane, &off);
-            float sum = lanes_sum(lane) + off;
+            float acc = 0.0f, off = 0.0f;
+            for (int64_t b = 0; b < nb; b++) block_step_portable(qtype, wr, b, xr + b, &acc, &off);
+            float sum = acc + off;
             y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
         }
     }

@@ -9,14 +9,14 @@
  *   4g..4g+3: Q8_0 eight groups (its codes are bytes), Q4_0 / Q4_1 four (bytes 4g..4g+3 hold
  *   elements 4g..4g+3 in their low nibbles and 16+4g.. in their high ones).
  *
- * Why: in the row layout each row's block is summed on its own, its scale converted and broadcast
- * as a scalar, then reduced across lanes; here lane r of "group register" g is row r's exact integer
- * sum over elements 4g..4g+3 (one maddubs + madd against x's four bytes broadcast), and the scales of
- * eight rows are one F16C conversion. The float steps are the row layout's exactly: per row, lane g
- * accumulates fmaf(a * xd, sum_g) in K order, the offsets fmaf(c, xs) in K order, then the same fixed
- * horizontal sum (lanes_sum, here eight adds across registers) and the offset. So a tiled tensor
- * gives the row layout's bits on every path (tested), and the tensor streams from memory as one run
- * of bytes per thread.
+ * Why: lane r of a register is row r, so one pass over a tile-block sums eight rows: their exact
+ * integers (Q4: eight maddubs added as int16, no pair of whose products can reach its range, then one
+ * madd; VNNI: vpdpbusd chains), the eight scales one F16C conversion, one fused multiply-add, where
+ * the row layout reduces each row's eight partial sums across lanes. The float steps are the row
+ * layout's (the rule in _blocks.c), so a tiled tensor gives the row layout's bits on every path
+ * (tested), and the tensor streams from memory as one run of bytes per thread. Several x rows meet
+ * a tile-block's codes once they are decoded (TILE_X at a time): prefill decodes each block once per
+ * TILE_X rows, not once a row.
  */
 #include "_blocks.h"
 
@@ -68,12 +68,12 @@ static void rows_tiled_portable(int qtype, const uint8_t *w, int64_t row_bytes, 
         const uint8_t *tile = w + (col - col % TILE) * row_bytes;
         for (int64_t r = 0; r < m; r++) {
             const XBlock *xr = xq + r * nb;
-            float lane[8] = {0}, off = 0.0f;
+            float acc = 0.0f, off = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 untile_block(qtype, tile + b * bb8, (int)(col % TILE), blk);
-                block_step_portable(qtype, blk, 0, xr + b, lane, &off);
+                block_step_portable(qtype, blk, 0, xr + b, &acc, &off);
             }
-            float sum = lanes_sum(lane) + off;
+            float sum = acc + off;
             y[r * n + col] = accumulate ? y[r * n + col] + sum : sum;
         }
     }
@@ -81,81 +81,102 @@ static void rows_tiled_portable(int qtype, const uint8_t *w, int64_t row_bytes, 
 
 #if HAVE_X86
 
-/* Eight rows' sums from the eight group registers: lanes_sum's order, lane by lane, plus the offsets. */
-AVX2 static inline void tile_finish(const __m256 *acc, __m256 off, float *out, int accumulate) {
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-                             _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
-    s = _mm256_add_ps(s, off);
-    _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), s) : s);
-}
+enum { TILE_X = 4 }; /* x rows that meet a tile-block's decoded codes together */
 
-/* Lane r: row r's exact integer sum of its four codes in u against x's four bytes q4 (broadcast). */
-AVX2 static inline __m256i tile_dot_avx2(const int sgn, __m256i u, __m256i q4) {
-    __m256i p = sgn ? _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q4, u)) : _mm256_maddubs_epi16(u, q4);
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+/* Lane r: row r's exact integer for this block against x's (the code offset taken off). Code u[j]
+ * meets x's four bytes 4j..4j+3 (Q4: 16 + 4(j - 4).. for the high nibbles). */
+AVX2 static inline __attribute__((always_inline)) __m256i tile_sum_avx2(const int qtype, const __m256i *u, const XBlock *x) {
+    int32_t x4[8];
+    memcpy(x4, x->q, sizeof x4);
+    if (qtype == Q8_0) { /* |u| against q with u's sign: pairs of products fit an int16, eight int16 do not */
+        __m256i t = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(u[g], u[g]), _mm256_sign_epi8(_mm256_set1_epi32(x4[g]), u[g]));
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        }
+        return t;
+    }
+    /* 4-bit codes: each int16 of a maddubs is at most 2 * 15 * 127, eight of them 30480 < 32768 */
+    __m256i p0 = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(x4[0]));
+    __m256i p1 = _mm256_maddubs_epi16(u[4], _mm256_set1_epi32(x4[4]));
+    for (int g = 1; g < 4; g++) {
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(x4[g])));
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(u[4 + g], _mm256_set1_epi32(x4[4 + g])));
+    }
+    __m256i t = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+    return qtype == Q4_0 ? _mm256_sub_epi32(t, _mm256_set1_epi32(8 * x->sum)) : t;
 }
 
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* The same integers with VNNI's vpdpbusd (no int16 step: |u| <= 128 and |q| <= 127 never saturate
- * maddubs either, so both give the exact sum). */
-VNNI static inline __m256i tile_dot_vnni(const int sgn, __m256i u, __m256i q4) {
-    if (sgn) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(u, u), _mm256_sign_epi8(q4, u));
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q4);
+/* The same integers with VNNI's vpdpbusd: two chains, each starting from the block's offset part. */
+VNNI static inline __attribute__((always_inline)) __m256i tile_sum_vnni(const int qtype, const __m256i *u, const XBlock *x) {
+    int32_t x4[8];
+    memcpy(x4, x->q, sizeof x4);
+    __m256i t0 = _mm256_set1_epi32(qtype == Q8_0 ? -128 * x->sum : (qtype == Q4_0 ? -8 * x->sum : 0));
+    __m256i t1 = _mm256_setzero_si256();
+    for (int g = 0; g < 4; g++) {
+        t0 = _mm256_dpbusd_epi32(t0, u[g], _mm256_set1_epi32(x4[g]));
+        t1 = _mm256_dpbusd_epi32(t1, u[4 + g], _mm256_set1_epi32(x4[4 + g]));
+    }
+    return _mm256_add_epi32(t0, t1);
 }
 
-/* One x row against one tile: every block once, the eight rows in the lanes. Inlined with constant
- * qtype and dot, so the branches fold away and the accumulators stay in registers. */
-#define TILE_BODY(DOT)                                                                                      \
+/* A tile-block's codes as the sums take them: Q4_0 / Q4_1 the low nibbles of groups 0-3 (elements
+ * 4g..4g+3) then the high ones (16 + 4g..); Q8_0 its eight groups, for VNNI as u ^ 0x80 (unsigned,
+ * the sum starting from -128 times x's). */
+AVX2 static inline __m256i keep_codes(__m256i v) { return v; }
+AVX2 static inline __m256i flip_codes(__m256i v) { return _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)); }
+
+/* R x rows (x0, x0 + nb, ...) against one tile: every block once, decoded once for the R rows, the
+ * eight weight rows in the lanes. Inlined with constant qtype, R and sums, so the branches fold
+ * away and the accumulators stay in registers. */
+#define TILE_BODY(SUM, FLIP)                                                                                \
     {                                                                                                       \
-        const int sgn = signed_codes(qtype), bb8 = TILE * block_bytes(qtype), head = tile_head(qtype);     \
-        __m256 acc[8], off = _mm256_setzero_ps();                                                           \
-        for (int g = 0; g < 8; g++) acc[g] = _mm256_setzero_ps();                                           \
-        const __m256i m4 = _mm256_set1_epi8(0x0f);                                                          \
+        const int bb8 = TILE * block_bytes(qtype), head = tile_head(qtype);                                 \
+        __m256 acc[TILE_X], off[TILE_X];                                                                    \
+        for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();                                  \
         for (int64_t b = 0; b < nb; b++) {                                                                  \
-            const uint8_t *tb = tile + b * bb8;                                                             \
+            const uint8_t *tb = tile + b * bb8, *codes = tb + head;                                         \
             for (int p = 0; p < bb8; p += 64) _mm_prefetch((const char *)tb + TILE_AHEAD + p, _MM_HINT_T0); \
-            int32_t x4[8];                                                                                  \
-            memcpy(x4, xr[b].q, sizeof x4);                                                                 \
             __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tb));                               \
-            __m256 scale = _mm256_mul_ps(a, _mm256_set1_ps(xr[b].d));                                       \
-            if (qtype == Q4_0)                                                                              \
-                off = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(-8.0f)), _mm256_set1_ps(xr[b].s), off); \
-            else if (qtype == Q4_1)                                                                         \
-                off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 16))),          \
-                                      _mm256_set1_ps(xr[b].s), off);                                        \
-            const uint8_t *codes = tb + head;                                                               \
-            if (sgn) {                                                                                      \
-                for (int g = 0; g < 8; g++) {                                                               \
-                    __m256i u = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));                      \
-                    __m256 s = _mm256_cvtepi32_ps(DOT(1, u, _mm256_set1_epi32(x4[g])));                     \
-                    acc[g] = _mm256_fmadd_ps(scale, s, acc[g]);                                             \
-                }                                                                                           \
+            __m256 c = qtype == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 16))) : a;    \
+            __m256i u[8];                                                                                   \
+            if (qtype == Q8_0) {                                                                            \
+                for (int g = 0; g < 8; g++) u[g] = FLIP(_mm256_loadu_si256((const __m256i *)(codes + 32 * g))); \
             } else {                                                                                        \
                 for (int g = 0; g < 4; g++) {                                                               \
                     __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));                      \
-                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4); \
-                    __m256 sl = _mm256_cvtepi32_ps(DOT(0, lo, _mm256_set1_epi32(x4[g])));                   \
-                    __m256 sh = _mm256_cvtepi32_ps(DOT(0, hi, _mm256_set1_epi32(x4[g + 4])));               \
-                    acc[g] = _mm256_fmadd_ps(scale, sl, acc[g]);                                            \
-                    acc[g + 4] = _mm256_fmadd_ps(scale, sh, acc[g + 4]);                                    \
+                    u[g] = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));                                     \
+                    u[4 + g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));           \
                 }                                                                                           \
             }                                                                                               \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const XBlock *x = x0 + r * nb + b;                                                          \
+                __m256i t = SUM(qtype, u, x);                                                               \
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(x->d)), _mm256_cvtepi32_ps(t), acc[r]); \
+                if (qtype == Q4_1) off[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(x->s), off[r]);               \
+            }                                                                                               \
         }                                                                                                   \
-        tile_finish(acc, off, out, accumulate);                                                             \
+        for (int r = 0; r < R; r++) {                                                                       \
+            float *o = out + r * n;                                                                         \
+            __m256 s = _mm256_add_ps(acc[r], off[r]);                                                       \
+            _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), s) : s); /* x + (W h) */     \
+        }                                                                                                   \
     }
 
 AVX2 static inline __attribute__((always_inline)) void
-tile_avx2(const int qtype, const uint8_t *tile, const XBlock *xr, int64_t nb, float *out, int accumulate)
-TILE_BODY(tile_dot_avx2)
+tile_avx2(const int qtype, const int R, const uint8_t *tile, const XBlock *x0, int64_t nb, float *out, int64_t n,
+          int accumulate)
+TILE_BODY(tile_sum_avx2, keep_codes)
 
 VNNI static inline __attribute__((always_inline)) void
-tile_vnni(const int qtype, const uint8_t *tile, const XBlock *xr, int64_t nb, float *out, int accumulate)
-TILE_BODY(tile_dot_vnni)
+tile_vnni(const int qtype, const int R, const uint8_t *tile, const XBlock *x0, int64_t nb, float *out, int64_t n,
+          int accumulate)
+TILE_BODY(tile_sum_vnni, flip_codes)
 
 /* AVX-512: two tiles side by side in a 512-bit register (sixteen rows), VNNI's integer sums; each
- * lane takes the steps of one row as above. Q8_0's signed codes go as u ^ 0x80 (unsigned) with the
- * sum starting at -128 times x's four bytes: the same integer. */
+ * lane takes the steps of one row as above. */
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 VNNI512 static inline __m512i pair_tiles(const uint8_t *p0, const uint8_t *p1) {
@@ -169,99 +190,91 @@ VNNI512 static inline __m512 pair_halves(const uint8_t *p0, const uint8_t *p1) {
 }
 
 VNNI512 static inline __attribute__((always_inline)) void
-tiles2_512(const int qtype, const uint8_t *t0, const uint8_t *t1, const XBlock *xr, int64_t nb, float *out,
-           int accumulate) {
-    const int sgn = signed_codes(qtype), bb8 = TILE * block_bytes(qtype), head = tile_head(qtype);
-    __m512 acc[8], off = _mm512_setzero_ps();
-    for (int g = 0; g < 8; g++) acc[g] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+tiles2_512(const int qtype, const int R, const uint8_t *t0, const uint8_t *t1, const XBlock *x0, int64_t nb,
+           float *out, int64_t n, int accumulate) {
+    const int bb8 = TILE * block_bytes(qtype), head = tile_head(qtype);
+    __m512 acc[TILE_X], off[TILE_X];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb0 = t0 + b * bb8, *tb1 = t1 + b * bb8;
         for (int p = 0; p < bb8; p += 64) {
             _mm_prefetch((const char *)tb0 + TILE_AHEAD + p, _MM_HINT_T0);
             _mm_prefetch((const char *)tb1 + TILE_AHEAD + p, _MM_HINT_T0);
         }
-        int32_t x4[8];
-        memcpy(x4, xr[b].q, sizeof x4);
-        __m512 a = pair_halves(tb0, tb1), scale = _mm512_mul_ps(a, _mm512_set1_ps(xr[b].d));
-        if (qtype == Q4_0) off = _mm512_fmadd_ps(_mm512_mul_ps(a, _mm512_set1_ps(-8.0f)), _mm512_set1_ps(xr[b].s), off);
-        else if (qtype == Q4_1) off = _mm512_fmadd_ps(pair_halves(tb0 + 16, tb1 + 16), _mm512_set1_ps(xr[b].s), off);
-        if (sgn) {
-            for (int g = 0; g < 8; g++) {
-                const int8_t *q = xr[b].q + 4 * g;
-                __m512i bias = _mm512_set1_epi32(-128 * (q[0] + q[1] + q[2] + q[3]));
-                __m512i u = _mm512_xor_si512(pair_tiles(tb0 + head + 32 * g, tb1 + head + 32 * g), flip);
-                __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bias, u, _mm512_set1_epi32(x4[g])));
-                acc[g] = _mm512_fmadd_ps(scale, s, acc[g]);
-            }
+        __m512 a = pair_halves(tb0, tb1), c = qtype == Q4_1 ? pair_halves(tb0 + 16, tb1 + 16) : a;
+        __m512i u[8];
+        if (qtype == Q8_0) {
+            for (int g = 0; g < 8; g++)
+                u[g] = _mm512_xor_si512(pair_tiles(tb0 + head + 32 * g, tb1 + head + 32 * g), _mm512_set1_epi8((char)0x80));
         } else {
             for (int g = 0; g < 4; g++) {
                 __m512i v = pair_tiles(tb0 + head + 32 * g, tb1 + head + 32 * g);
-                __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                __m512 sl = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi32(x4[g])));
-                __m512 sh = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi32(x4[g + 4])));
-                acc[g] = _mm512_fmadd_ps(scale, sl, acc[g]);
-                acc[g + 4] = _mm512_fmadd_ps(scale, sh, acc[g + 4]);
+                u[g] = _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
+                u[4 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
             }
         }
+        for (int r = 0; r < R; r++) {
+            const XBlock *x = x0 + r * nb + b;
+            int32_t x4[8];
+            memcpy(x4, x->q, sizeof x4);
+            __m512i s0 = _mm512_set1_epi32(qtype == Q8_0 ? -128 * x->sum : (qtype == Q4_0 ? -8 * x->sum : 0));
+            __m512i s1 = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                s0 = _mm512_dpbusd_epi32(s0, u[g], _mm512_set1_epi32(x4[g]));
+                s1 = _mm512_dpbusd_epi32(s1, u[4 + g], _mm512_set1_epi32(x4[4 + g]));
+            }
+            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(a, _mm512_set1_ps(x->d)), t, acc[r]);
+            if (qtype == Q4_1) off[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(x->s), off[r]);
+        }
     }
-    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
-                             _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
-    s = _mm512_add_ps(s, off);
-    _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), s) : s);
+    for (int r = 0; r < R; r++) {
+        float *o = out + r * n;
+        __m512 s = _mm512_add_ps(acc[r], off[r]);
+        _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), s) : s);
+    }
 }
+
+/* Calls KERNEL(qtype, R, ...) for every TILE_X x rows, then for each one left, with constant
+ * arguments so that each inlined copy folds its branches. */
+#define EACH_X(KERNEL, ...)                                                                                 \
+    do {                                                                                                    \
+        int64_t r = 0;                                                                                      \
+        for (; r + TILE_X <= m; r += TILE_X) {                                                              \
+            const XBlock *x0 = xq + r * nb;                                                                 \
+            float *out = y + r * n + c0;                                                                    \
+            switch (qtype) {                                                                                \
+            case Q4_0: KERNEL(Q4_0, TILE_X, __VA_ARGS__); break;                                            \
+            case Q4_1: KERNEL(Q4_1, TILE_X, __VA_ARGS__); break;                                            \
+            default: KERNEL(Q8_0, TILE_X, __VA_ARGS__); break;                                              \
+            }                                                                                               \
+        }                                                                                                   \
+        for (; r < m; r++) {                                                                                \
+            const XBlock *x0 = xq + r * nb;                                                                 \
+            float *out = y + r * n + c0;                                                                    \
+            switch (qtype) {                                                                                \
+            case Q4_0: KERNEL(Q4_0, 1, __VA_ARGS__); break;                                                 \
+            case Q4_1: KERNEL(Q4_1, 1, __VA_ARGS__); break;                                                 \
+            default: KERNEL(Q8_0, 1, __VA_ARGS__); break;                                                   \
+            }                                                                                               \
+        }                                                                                                   \
+    } while (0)
 
 /* Every x row against each pair of tiles in turn; a part's odd last tile on its own (the same bits). */
 VNNI512 static void rows_tiled_512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
                                    const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
     for (int64_t c0 = n0; c0 < n1; c0 += 2 * TILE) {
         const uint8_t *tile = w + c0 * row_bytes;
-        int pair = c0 + 2 * TILE <= n1;
-        for (int64_t r = 0; r < m; r++) {
-            const XBlock *xr = xq + r * nb;
-            float *out = y + r * n + c0;
-            if (pair) {
-                const uint8_t *next = tile + TILE * row_bytes;
-                switch (qtype) {
-                case Q4_0: tiles2_512(Q4_0, tile, next, xr, nb, out, accumulate); break;
-                case Q4_1: tiles2_512(Q4_1, tile, next, xr, nb, out, accumulate); break;
-                default: tiles2_512(Q8_0, tile, next, xr, nb, out, accumulate); break;
-                }
-            } else {
-                switch (qtype) {
-                case Q4_0: tile_vnni(Q4_0, tile, xr, nb, out, accumulate); break;
-                case Q4_1: tile_vnni(Q4_1, tile, xr, nb, out, accumulate); break;
-                default: tile_vnni(Q8_0, tile, xr, nb, out, accumulate); break;
-                }
-            }
-        }
+        if (c0 + 2 * TILE <= n1) EACH_X(tiles2_512, tile, tile + TILE * row_bytes, x0, nb, out, n, accumulate);
+        else EACH_X(tile_vnni, tile, x0, nb, out, n, accumulate);
     }
 }
 
 /* Every x row against each tile in turn (a tile is 8 row_bytes: it stays in cache while the x rows
  * meet it). */
-#define ROWS_TILED(KERNEL_FN)                                                                               \
-    {                                                                                                       \
-        for (int64_t c0 = n0; c0 < n1; c0 += TILE) {                                                        \
-            const uint8_t *tile = w + c0 * row_bytes;                                                       \
-            for (int64_t r = 0; r < m; r++) {                                                               \
-                const XBlock *xr = xq + r * nb;                                                             \
-                float *out = y + r * n + c0;                                                                \
-                switch (qtype) {                                                                            \
-                case Q4_0: KERNEL_FN(Q4_0, tile, xr, nb, out, accumulate); break;                           \
-                case Q4_1: KERNEL_FN(Q4_1, tile, xr, nb, out, accumulate); break;                           \
-                default: KERNEL_FN(Q8_0, tile, xr, nb, out, accumulate); break;                             \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-    }
-
 AVX2 static void rows_tiled_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
-                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate)
-ROWS_TILED(tile_avx2)
-
-VNNI static void rows_tiled_vnni(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n,
-                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate)
-ROWS_TILED(tile_vnni)
+                                 const XBlock *xq, int64_t m, int64_t nb, float *y, int accumulate) {
+    for (int64_t c0 = n0; c0 < n1; c0 += TILE) EACH_X(tile_avx2, w + c0 * row_bytes, x0, nb, out, n, accumulate);
+}
 
 #endif

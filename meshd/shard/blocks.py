@@ -81,9 +81,11 @@ def torch_matmul_threads(weight_elements: int):
 
 # v2: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K joined the kernel (v1 ran them in torch's int4 layout)
 # v3: K types' activations quantized per 256-wide super-block (with per-16 sums), not per 32
+# v4: a 32-wide block is one exact integer sum (its code offset folded in) and one fused multiply-add,
+#     not eight lanes of four elements each reduced at the end: half the float work a block
 LAYOUT = (f"gguf-blocks ({','.join(sorted(t.name for t in TYPES))}) x q8-g32 activations (K types: q8-g256"
-          " with per-16 sums, integer super-block sums), fixed-order sums;"
-          " rms-norm, rope, silu and attention per row in _blocks.c; v3")
+          " with per-16 sums, integer super-block sums), one integer sum and fma a 32-wide block;"
+          " rms-norm, rope, silu and attention per row in _blocks.c; v4")
 
 
 def available(qtype: QT) -> bool:
@@ -137,12 +139,14 @@ def set_layout(name: str) -> None:
 
 def tiles_pay(qtype: QT) -> bool:
     """Whether this process keeps weights of this type in tiles: Q4_0 and Q4_1 where the kernel runs on
-    AVX2 or AVX-512 (the portable path reads tiles too, and gives the same bits). Q8_0 stays in rows: its
-    tiles took up to twice the time of its rows for one x row (memory-bound; kernel_bench shapes, CPU
-    avx2 avx512f)."""
+    AVX2 or AVX-512, Q8_0 on AVX-512 (the portable path reads tiles too, and gives the same bits). On
+    AVX2, Q8_0 stays in rows: its tiles took 1.16x the time of its rows for one x row of a 49152 x 576
+    LM head, though 0.55x for eight (recipe v4, kernel time of one thread, CPU avx2 avx512f held to
+    AVX2); on AVX-512 they took 0.73x, 0.33x and 0.45x for one, eight and 128 x rows."""
     if _layout != "auto":
         return _layout == "tiles" and qtype in TILE_TYPES
-    return qtype in (QT.Q4_0, QT.Q4_1) and isa() in ("avx2", "avx512")
+    here = isa()
+    return (qtype in (QT.Q4_0, QT.Q4_1) and here in ("avx2", "avx512")) or (qtype == QT.Q8_0 and here == "avx512")
 
 
 def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
@@ -158,6 +162,31 @@ def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
     out = np.empty_like(rows)
     KERNEL.tile(int(qtype), rows.ctypes.data, out.ctypes.data, n, row_bytes)
     return out
+
+
+def _lane_bytes(qtype: QT) -> np.ndarray:
+    """[TILE, block bytes]: where each byte of lane r's block sits in its tile-block."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    halves = 2 if qtype == QT.Q4_1 else 1
+    head, skip = 16 * halves, 2 * halves
+    at = np.empty((TILE, size), np.int64)
+    for r in range(TILE):
+        for h in range(halves):
+            at[r, 2 * h:2 * h + 2] = 16 * h + 2 * r + np.arange(2)
+        j = np.arange(size - skip)
+        at[r, skip:] = head + 32 * (j // 4) + 4 * r + j % 4
+    return at
+
+
+def untile_rows(qtype: QT, tiled: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a matrix kept in tiles, back as the file's rows of blocks ([len(ids), row bytes]):
+    an embedding table whose bytes the tied LM head multiplies in tiles looks its rows up here."""
+    n, row_bytes = tiled.shape
+    _, size = GGML_QUANT_SIZES[qtype]
+    ids = np.asarray(ids, np.int64)
+    blk = tiled.reshape(n // TILE, row_bytes // size, TILE * size)[ids // TILE]
+    where = _lane_bytes(qtype)[ids % TILE][:, None, :]
+    return np.take_along_axis(blk, np.broadcast_to(where, (len(ids), blk.shape[1], size)), axis=2).reshape(len(ids), row_bytes)
 
 
 @dataclass

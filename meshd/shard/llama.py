@@ -270,13 +270,16 @@ def embed(head: dict, ids: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.
 def lm_head(artifact, recipe, names: dict, head: dict | None = None):
     """The LM head. Tied to the embedding on a shard that is head and tail both, it is the head's table
     itself: the float32 tensor, or in the native lane the same GGUF bytes the embedding looks rows up
-    in, multiplied by the block kernel (Gemma 3 270M's 262144 x 640 table is 178 MB: held once)."""
+    in, multiplied by the block kernel (Gemma 3 270M's 262144 x 640 table is 178 MB: held once); in
+    tiles where they pay, the embedding then reading its rows back out of them."""
     if head is not None and names["lm_head"] == names["embed"]:
         table = head["embed"]
         if recipe.weight_dtype == "float32":
             return table
         if isinstance(table, QuantRows) and blocks.available(table.qtype):
-            return blocks.BlockWeight.from_raw(table.qtype, table.data.numpy(), table.shape[1], tiles=False)
+            if blocks.tiles_pay(table.qtype) and table.shape[0] % blocks.TILE == 0:
+                table.retile()
+            return blocks.BlockWeight(table.qtype, table.data, table.shape[0], table.shape[1], tiled=table.tiled)
     return load_matrix(artifact, [names["lm_head"]], recipe)
 
 

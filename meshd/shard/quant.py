@@ -204,12 +204,26 @@ class QuantRows:
     def __init__(self, raw: RawTensor) -> None:
         self.qtype, self.shape = raw.qtype, raw.shape
         self.data = torch.from_numpy(np.ascontiguousarray(raw.data))
+        self.tiled = False  # its bytes in the block kernel's tiles (a tied LM head's), rows read back from them
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
 
+    def retile(self) -> None:
+        """Keep the bytes in tiles of eight rows from now on (no copy kept in rows: the same size)."""
+        from meshd.shard import blocks
+
+        if not self.tiled:
+            self.data = torch.from_numpy(blocks.tile(self.qtype, self.data.numpy()))
+            self.tiled = True
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [..., n] -> float32 [..., n, cols]."""
-        rows = self.data[ids.reshape(-1)].numpy()
+        if self.tiled:
+            from meshd.shard import blocks
+
+            rows = blocks.untile_rows(self.qtype, self.data.numpy(), ids.reshape(-1).numpy())
+        else:
+            rows = self.data[ids.reshape(-1)].numpy()
         out = dequantize(rows, self.qtype).reshape(*ids.shape, self.shape[1])
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
