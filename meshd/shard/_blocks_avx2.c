@@ -1,10 +1,11 @@
-/* The AVX2 path (with FMA and F16C): the portable path's sums, eight lanes at a time, for the 32-wide
- * types (direct for few x rows, decoded strips for many) and the K types, and the activations'
- * quantization; the AVX-512 path, which reuses these helpers, is included at its end. Part of
- * _blocks.c (see the rules there). */
+/* The AVX2 path (with FMA and F16C): the portable path's sums for the 32-wide types in the row layout
+ * (four rows' block integers from one horizontal reduction, their float steps as one 4-lane vector;
+ * direct for few x rows, decoded strips for many), the K types eight lanes at a time, and the
+ * activations' quantization; the AVX-512 path, which reuses these helpers, is included at its end.
+ * Part of _blocks.c (see the rules there). */
 #include "_blocks.h"
 
-/* ---- AVX2 path: the same sums, eight lanes at a time ---- */
+/* ---- AVX2 path: the portable path's sums ---- */
 
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -37,7 +38,7 @@ AVX2 static inline __attribute__((always_inline)) __m256i codes_avx2(const int q
     }
 }
 
-/* Eight int32 lanes: lane j = sum over elements 4j..4j+3 of u * q. Unsigned codes go straight
+/* Eight int32 partial sums: lane j = sum over elements 4j..4j+3 of u * q. Unsigned codes go straight
  * into maddubs; signed codes go as |u| with q carrying u's sign. */
 AVX2 static inline __m256i dot_avx2(int signed8, __m256i u, __m256i q) {
     __m256i p;

@@ -1,14 +1,15 @@
 /* The block matmuls on AVX-512 (F, BW, VL, DQ and VNNI), included by _blocks.c after its AVX2 part,
- * whose helpers (codes_avx2, scales_f16c, k4_scales_avx2, decode_k, finish_avx2) it reuses.
+ * whose helpers (codes_avx2, scales_f16c, step_t4, finish4, k4_scales_avx2, decode_k, finish_avx2)
+ * it reuses.
  *
- * The bits are the AVX2 path's: a 512-bit register holds two weight rows side by side, each half
- * computing exactly what one AVX2 register computes for its row (lane j of a row sums elements
- * 4j..4j+3 of every block as an exact integer, converts it and adds it with one fused multiply-add
- * by the same float scale; one fixed horizontal sum at the end). VNNI's vpdpbusd gives the integer
- * that maddubs + madd give, since no pair of products here reaches maddubs' int16 saturation
- * (|u| <= 128, |q| <= 127: 2 * 128 * 127 < 32768), and the int32 sums cannot overflow. The K types
- * keep AVX2's maddubs + madd with their integer scales, two rows at a time. A strip's rows that do not fill a pair go through
- * the AVX2 code, which gives the same bits. */
+ * The bits are the AVX2 path's. 32-wide types in the row layout: a 512-bit register holds two weight
+ * rows side by side, VNNI's vpdpbusd their eight partial integer sums each (the integer that maddubs
+ * + madd give: no pair of products here reaches maddubs' int16 saturation, |u| <= 128, |q| <= 127:
+ * 2 * 128 * 127 < 32768, and the int32 sums cannot overflow); unpacks and shuffles reduce eight (or
+ * four) rows to one integer each, then one vector of float steps, each lane a row's. The K types
+ * keep AVX2's maddubs + madd with their integer scales, two rows at a time, each half of a register
+ * one row's eight lanes. A strip's rows that do not fill a pair go through the AVX2 code, which gives
+ * the same bits. */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
