@@ -527,6 +527,59 @@ def test_a_whole_layer_in_one_call_gives_the_bits_of_its_steps():
                      [(0, 4, 14, *caches[0])])
 
 
+def test_layers_in_one_call_give_the_bits_of_one_call_a_layer():
+    """`blocks.layers`: three layers (each its own weights and caches) and two sessions in one kernel
+    call, against `blocks.layer` three times; and refusals before anything runs."""
+    from types import SimpleNamespace
+
+    from meshd.shard.llama import Rotary
+
+    hidden, heads, kv_heads, hd, ffn = 64, 4, 2, 16, 96
+    rng = np.random.default_rng(9)
+
+    def w(rows, cols, qt):
+        return blocks.BlockWeight.from_raw(qt, quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt), cols)
+
+    ps = [SimpleNamespace(attn_norm=blocks.Norm(torch.rand(hidden) + 0.5), ffn_norm=blocks.Norm(torch.rand(hidden) + 0.5),
+                          wqkv=w((heads + 2 * kv_heads) * hd, hidden, QT.Q4_1), wo=w(hidden, heads * hd, QT.Q8_0),
+                          w_gate_up=w(2 * ffn, hidden, QT.Q4_0), w_down=w(hidden, ffn, QT.Q5_0)) for _ in range(3)]
+    rot = Rotary(SimpleNamespace(head_dim=hd, rope_theta=10000.0), 64)
+
+    def caches():  # per layer, per session: keys and values; session 1 has 4 earlier positions
+        c = [[[torch.zeros(1, kv_heads, 16, hd, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)] for _ in range(3)]
+        for layer in c:
+            layer[1][0][:, :, :4], layer[1][1][:, :, :4] = torch.randn(1, kv_heads, 4, hd), torch.randn(1, kv_heads, 4, hd)
+        return c
+
+    one, many = caches(), caches()
+    for a, b in zip(one, many):
+        for (ka, va), (kb, vb) in zip(a, b):
+            kb.copy_(ka), vb.copy_(va)
+    x = torch.randn(3, hidden)
+    y = x.clone()
+    for p, c in zip(ps, one):
+        blocks.layer(y, blocks.layer_args(p), 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                     [(0, 2, 0, *c[0]), (2, 1, 4, *c[1])])
+    z = blocks.layers(x.clone(), [blocks.layer_args(p) for p in ps], 1e-5, rot.cos, rot.signed_sin, heads, kv_heads,
+                      hd, [[(0, 2, 0, *c[0]), (2, 1, 4, *c[1])] for c in many])
+    assert torch.equal(z, y) and not torch.equal(z, x)
+    assert all(torch.equal(a, b) for la, lb in zip(one, many) for sa, sb in zip(la, lb) for a, b in zip(sa, sb))
+    args = [blocks.layer_args(p) for p in ps]
+    with pytest.raises(ValueError, match="do not fit"):
+        blocks.layers(x.clone(), args, 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                      [[(0, 3, 14, *c[0])] for c in many])
+    with pytest.raises(ValueError, match="one weight tuple"):
+        blocks.layers(x.clone(), args[:2], 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                      [[(0, 3, 0, *c[0])] for c in many])
+    bad = list(args[2])
+    bad[5] -= 8  # qkv's out features no longer make the heads
+    untouched = x.clone()
+    with pytest.raises(ValueError, match="unsupported block type|do not make a Llama layer"):
+        blocks.layers(untouched, [args[0], args[1], tuple(bad)], 1e-5, rot.cos, rot.signed_sin, heads, kv_heads, hd,
+                      [[(0, 3, 0, *c[0])] for c in many])
+    assert torch.equal(untouched, x)  # refused before the first layer ran
+
+
 def test_torch_matmuls_beside_the_pool_get_its_threads(monkeypatch):
     """Under divide_threads a float weight's F.linear (what the kernel does not run) gets the pool's
     threads while it runs, a small one stays on one, and torch is back on one after."""

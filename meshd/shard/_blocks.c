@@ -281,6 +281,66 @@ static PyObject *py_layer(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* layers(y, R, H, eps, L, weights, cos, ssin, nh, nkv, hd, segments, S, threads, portable): L Llama
+ * layers in turn, in place on y, each exactly as `layer` runs it (one call instead of L: a decode
+ * step of a small model spent a fifth of its time in Python between the layers). weights: int64
+ * [L, 18] = (attn_norm, ffn_norm, then qkv, o, gate+up, down as (qtype, data, row bytes, out
+ * features)); segments: int64 [L, S, 7], layer by layer. */
+static PyObject *py_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "layers takes 15 arguments");
+        return NULL;
+    }
+    long long a[3], b[11];
+    double eps = PyFloat_AsDouble(args[3]);
+    if ((eps == -1.0 && PyErr_Occurred()) || read_longs(args, 3, 3, a, "layers") < 0 ||
+        read_longs(args + 4, 11, 11, b, "layers") < 0)
+        return NULL;
+    int64_t R = a[1], H = a[2], L = b[0], S = b[8];
+    const int64_t *wt = (const int64_t *)(intptr_t)b[1], *seg = (const int64_t *)(intptr_t)b[7];
+    int nh = (int)b[4], nkv = (int)b[5], hd = (int)b[6];
+    if (L < 0 || S < 0 || R < 0 || nh <= 0 || nkv <= 0 || nh % nkv || hd % 8 || hd > 512) {
+        PyErr_SetString(PyExc_ValueError, "layers: bad counts or head shapes");
+        return NULL;
+    }
+    /* every layer's weights checked before any runs, as `layer` checks its own */
+    WRef *refs = malloc(sizeof(WRef) * 4 * (L ? L : 1));
+    if (!refs) return PyErr_NoMemory();
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *w = wt + 18 * l;
+        WRef *r = refs + 4 * l;
+        int64_t ks[4] = {H, (int64_t)nh * hd, H, 0};
+        for (int i = 0; i < 3; i++)
+            if (set_wref(r + i, w[2 + 4 * i], (const uint8_t *)(intptr_t)w[3 + 4 * i], w[4 + 4 * i], w[5 + 4 * i], ks[i],
+                         "layers") < 0)
+                goto bad;
+        if (r[2].n % 2 || set_wref(r + 3, w[14], (const uint8_t *)(intptr_t)w[15], w[16], w[17], r[2].n / 2, "layers") < 0)
+            goto bad;
+        if (r[0].n != (int64_t)(nh + 2 * nkv) * hd || r[1].n != H || r[3].n != H) {
+            PyErr_SetString(PyExc_ValueError, "layers: the weights' shapes do not make a Llama layer");
+            goto bad;
+        }
+    }
+    int rc = 0, threads = b[9] < 1 ? 1 : (int)b[9], isa = isa_for(b[10]);
+    float *y = (float *)(intptr_t)a[0];
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const int64_t *w = wt + 18 * l;
+        WRef *r = refs + 4 * l;
+        rc = layer_c(y, R, H, (float)eps, (const float *)(intptr_t)w[0], (const float *)(intptr_t)w[1], r, r + 1, r + 2,
+                     r + 3, (const float *)(intptr_t)b[2], (const float *)(intptr_t)b[3], nh, nkv, hd, seg + 7 * S * l, S,
+                     threads, isa);
+    }
+    Py_END_ALLOW_THREADS
+    free(refs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+bad:
+    free(refs);
+    return NULL;
+}
+
 /* tile(qtype, src_ptr, dst_ptr, n, row_bytes): rows of GGUF blocks into tiles (_blocks_tiles.c) */
 static PyObject *py_tile(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -322,6 +382,7 @@ static PyMethodDef methods[] = {
     {"isa", py_isa, METH_NOARGS, "the instruction set the kernels run on"},
     {"limit_isa", py_limit_isa, METH_O, "run on at most this instruction set from now on"},
     {"layer", (PyCFunction)(void (*)(void))py_layer, METH_FASTCALL, "a whole Llama decoder layer, in place"},
+    {"layers", (PyCFunction)(void (*)(void))py_layers, METH_FASTCALL, "Llama decoder layers one after another, in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of float32 rows"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "causal attention over bfloat16 KV"},
     {"rope_kv", (PyCFunction)(void (*)(void))py_rope_kv, METH_FASTCALL, "RoPE of q and k, k and v into the KV cache"},

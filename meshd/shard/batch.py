@@ -101,8 +101,12 @@ def _run_group(shard, first: int, last: int, rotary, members: list, results: lis
     sessions' table); each result into its place."""
     rows = Rows.stack(segments(members, shard.passes_equal_steps))
     h = torch.cat([m[2] for m in members], dim=1) if len(members) > 1 else members[0][2]
-    for li, layer in enumerate(shard.layers[first - shard.start:last - shard.start]):
-        h = shard.family.layer_forward(layer, h, shard.config, rotary, rows, li)
+    mine = shard.layers[first - shard.start:last - shard.start]
+    if hasattr(shard.family, "layers_forward"):  # all of them in one call where the family can
+        h = shard.family.layers_forward(mine, h, shard.config, rotary, rows)
+    else:
+        for li, layer in enumerate(mine):
+            h = shard.family.layer_forward(layer, h, shard.config, rotary, rows, li)
     spans, row = [], 0  # each member's rows [row, row + n)
     for _, kv, mh, position, _ in members:
         kv.commit(position + mh.shape[1])

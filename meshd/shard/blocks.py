@@ -350,12 +350,34 @@ def layer(y: torch.Tensor, weights: tuple, eps: float, cos: torch.Tensor, signed
     bfloat16 [1, kv heads, capacity, hd] and room for the positions."""
     if y.dtype != torch.float32 or not y.is_contiguous() or y.ndim != 2:
         raise ValueError("layer: y must be contiguous float32 [rows, hidden]")
+    seg = np.array(_segment_table(segments, cos), dtype=np.int64)
+    KERNEL.layer(y.data_ptr(), y.shape[0], y.shape[1], float(eps), *weights, cos.data_ptr(), signed_sin.data_ptr(),
+                 heads, kv_heads, head_dim, seg.ctypes.data, len(seg), _pool_threads(), int(portable))
+    return y
+
+
+def _segment_table(segments, cos: torch.Tensor) -> list[tuple]:
+    """`segments` as the kernel reads them: (row, n, position, keys, values, head stride, position stride)."""
     table = []
     for row, n, pos, keys, values in segments:
         if pos + n > min(keys.shape[2], cos.shape[0]) or keys.dtype != torch.bfloat16 or keys.stride() != values.stride():
             raise ValueError(f"layer: positions {pos}..{pos + n - 1} do not fit the tables or the cache")
         table.append((row, n, pos, keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2)))
-    seg = torch.tensor(table, dtype=torch.int64)
-    KERNEL.layer(y.data_ptr(), y.shape[0], y.shape[1], float(eps), *weights, cos.data_ptr(), signed_sin.data_ptr(),
-                 heads, kv_heads, head_dim, seg.data_ptr(), len(table), _pool_threads(), int(portable))
+    return table
+
+
+def layers(y: torch.Tensor, weights: list[tuple], eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+           heads: int, kv_heads: int, head_dim: int, segments: list[list[tuple]], portable: bool = False) -> torch.Tensor:
+    """`layer` for several layers one after another in one kernel call: weights[i] and segments[i] are
+    layer i's (each session's segments in the same order in every layer). The bits are those of the
+    calls one by one; what it saves is Python between the layers."""
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.ndim != 2:
+        raise ValueError("layers: y must be contiguous float32 [rows, hidden]")
+    if len(weights) != len(segments) or len({len(s) for s in segments}) > 1:
+        raise ValueError("layers: one weight tuple and one equal list of segments a layer")
+    w = np.array(weights, dtype=np.int64).reshape(len(weights), 18)
+    seg = np.array([_segment_table(s, cos) for s in segments], dtype=np.int64).reshape(len(segments), -1, 7)
+    KERNEL.layers(y.data_ptr(), y.shape[0], y.shape[1], float(eps), len(weights), w.ctypes.data, cos.data_ptr(),
+                  signed_sin.data_ptr(), heads, kv_heads, head_dim, seg.ctypes.data, seg.shape[1], _pool_threads(),
+                  int(portable))
     return y

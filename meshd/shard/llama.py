@@ -224,6 +224,26 @@ def _layer_forward_blocks(p: LlamaLayer, x: torch.Tensor, cfg: ModelConfig, rota
     return y.view(1, x.shape[1], -1)
 
 
+def layers_forward(layers: list[LlamaLayer], x: torch.Tensor, cfg: ModelConfig, rotary: Rotary, rows: Rows
+                   ) -> torch.Tensor:
+    """`layer_forward` through `layers` (KV slots 0, 1, ... of the sessions), in one kernel call where
+    every layer runs in the kernel (the bits of the calls one by one), else layer by layer."""
+    if len(layers) < 2 or not all(in_kernel(p) for p in layers):
+        for li, p in enumerate(layers):
+            x = layer_forward(p, x, cfg, rotary, rows, li)
+        return x
+    y = x.reshape(x.shape[1], x.shape[2]).to(torch.float32, copy=True)
+    for p in layers:
+        if p.kernel_args is None:
+            p.kernel_args = blocks.layer_args(p)
+    rotary.cover(max(s.position + s.n for s in rows.segments))
+    segments = [[(s.row, s.n, s.position, *s.kv.layer(li, s.position + s.n)) for s in rows.segments]
+                for li in range(len(layers))]
+    blocks.layers(y, [p.kernel_args for p in layers], cfg.norm_eps, rotary.cos, rotary.signed_sin, cfg.n_heads,
+                  cfg.n_kv_heads, cfg.head_dim, segments)
+    return y.view(1, x.shape[1], -1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, li: int) -> torch.Tensor:
     """Attention of every session over its own KV: q [1, heads, R, hd], k and v [1, kv heads, R, hd]
     (RoPE applied) in; [1, R, heads * hd] out. Each session's new keys and values go into its cache

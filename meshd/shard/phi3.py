@@ -17,9 +17,9 @@ from meshd.shard.config import ModelConfig
 from meshd.shard.linear import load_matrix
 
 # shared with Llama: same math, same global tensors
-global_names, load_head, embed, load_tail, final, layer_forward, in_kernel = (
+global_names, load_head, embed, load_tail, final, layer_forward, layers_forward, in_kernel = (
     llama.global_names, llama.load_head, llama.embed, llama.load_tail, llama.final, llama.layer_forward,
-    llama.in_kernel)
+    llama.layers_forward, llama.in_kernel)
 
 
 def source_names(kind: str, i: int, cfg: ModelConfig) -> dict[str, str]:
