@@ -39,7 +39,7 @@ PASSAGE = ("Meshd runs a large language model split across ordinary machines. Ea
            "framing.")
 MISSPELT = PASSAGE.replace("machines", "machnies").replace("daemon", "deamon").replace("travel", "travle")
 # quote: the answer writes the passage out again, edited (SmolLM2-135M paraphrases a plain "repeat this" after
-# a few sentences; these two it follows furthest: about 3 tokens a trip by prompt lookup, see the README)
+# a few sentences; these two it follows furthest: 4.4 and 3.0 tokens a trip by prompt lookup, bench/draft_sim.py)
 WORKLOADS = {
     "quote": [f"Fix the spelling mistakes in this text and write it out in full.\n\n{MISSPELT}",
               f"Copy this text exactly, without changes:\n\n{PASSAGE}"],

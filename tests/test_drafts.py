@@ -154,22 +154,41 @@ def test_measured_costs_keep_drafts_where_a_trip_costs_more_than_the_rows_and_st
     slow.after(4, 1)
     slow.observe(5, 0.150 + 4 * 0.007)  # each draft row adds 7 ms
     assert slow.costs.row == pytest.approx(0.007)
-    assert slow.propose(ctx, 8) == [4, 5]  # a quarter accepted still saves more than it costs
+    assert slow.length.stands() == pytest.approx(1.9 / 3.8)  # one stood, one fell, after the prior 1 and 1
+    assert slow.propose(ctx, 8) == [4, 5, 6]  # at even odds, 1.875 tokens for 171 ms beats 1.94 for 178
     fast = Drafts(8, costs=StepCosts())
     fast.propose(ctx, 8)
     fast.observe(1, 0.015)  # loopback: a 15 ms trip
     fast.propose(ctx, 8)
     fast.after(4, 1)
     fast.observe(5, 0.015 + 4 * 0.013)  # a draft model about as costly as the route's own step
-    assert fast.propose(ctx, 8) == []  # 13 ms a draft against 0.81 of 15 ms: plain steps for a pause
-    assert [fast.propose(ctx, 8) for _ in range(PAUSE_MIN)] == [[]] * PAUSE_MIN
-    assert fast.propose(ctx, 8) == [4]  # then a probe keeps the acceptance measured
+    assert fast.propose(ctx, 8) == []  # 13 ms a draft against half a chance of 15 ms: plain steps for a pause
+    assert [fast.propose(ctx, 8) for _ in range(PAUSE_MIN - 1)] == [[]] * (PAUSE_MIN - 1)
+    assert fast.propose(ctx, 8) == [4]  # then a probe keeps the chance measured
     fast.after(1, 1)
-    for _ in range(6):  # drafts that keep standing earn their rows back
+    for _ in range(12):  # drafts that keep standing earn their rows back
         fast.after(2, 2)
-    assert fast.length.acceptance > 0.9 and fast.propose(ctx, 8) == [4, 5, 6, 7, 8, 1, 2, 3]
+    assert fast.length.stands() > 0.9 and fast.propose(ctx, 8) == [4, 5]  # two pay where a row costs near a trip
     # without costs (a sampled generation) drafts follow their acceptance alone, from the first step
     assert Drafts(8).propose(ctx, 8) == [4, 5, 6, 7]
+
+
+def test_the_draft_count_maximises_expected_tokens_a_second():
+    costs = StepCosts()
+    costs.trip, costs.row = 0.170, 0.0025  # 25 ms links: a row costs 1.5% of a trip
+    assert costs.best_k(0.95, 32) == 32  # copying: every draft the lookup has
+    assert 8 <= costs.best_k(0.76, 32) <= 16  # each more draft is worth it while 0.76^k exceeds a row's share
+    assert costs.best_k(0.01, 32) == 0  # drafts that never stand are not worth a row
+    costs.trip = 0.015  # loopback: a row costs a sixth of a trip
+    assert costs.best_k(0.95, 32) < 16 and costs.best_k(0.76, 32) <= 4 and costs.best_k(0.1, 32) == 0
+    costs.row = 0.0
+    assert costs.best_k(0.5, 32) == 32  # rows for free: every draft
+    for stands in (0.3, 0.6, 0.9):  # more drafts as they stand better, and as trips cost more rows
+        assert costs.best_k(stands, 32) >= 0
+    slow, quick = StepCosts(), StepCosts()
+    slow.trip, quick.trip, slow.row, quick.row = 0.3, 0.03, 0.003, 0.003
+    assert [slow.best_k(a, 32) for a in (0.3, 0.6, 0.9)] == sorted(slow.best_k(a, 32) for a in (0.3, 0.6, 0.9))
+    assert all(slow.best_k(a, 32) >= quick.best_k(a, 32) for a in (0.3, 0.6, 0.9))
 
 
 def test_a_draft_models_catching_up_on_the_prompt_is_not_counted_as_what_drafts_cost():

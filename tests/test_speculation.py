@@ -45,8 +45,10 @@ def test_greedy_text_with_speculation_equals_plain_decoding_token_for_token(mesh
         assert 0 <= stats["accepted"] <= stats["drafted"]
         print(f"{lane} {prompt[:24]!r}: {stats['drafted']} drafted, {stats['accepted']} accepted,"
               f" {stats['decode_tok_per_s']} tok/s against {plain_stats['decode_tok_per_s']} plain")
-        if prompt is QUOTE:
-            assert stats["accepted"] > tokens // 4  # quoting: most of the answer came as drafts
+        if prompt is QUOTE:  # quoting: most of the answer came as drafts, where rows are cheap beside a trip;
+            # the exact lane's rows cost a good part of a loopback trip, so how many drafts pay there depends
+            # on the timings of the box (meshd/entry/drafts.py StepCosts): some must have been verified
+            assert stats["accepted"] > (tokens // 4 if lane == "native" else 0)
     st = entry.status()["speculation"]
     assert st["mode"] == "auto" and st["drafted"] >= st["accepted"] > 0
 

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " the route (default 2, at most one per daemon on the route; 0: one per daemon on the route)")
     join.add_argument("--speculate", choices=["auto", "off"], help="as an entry: send draft tokens (prompt lookup)"
                       " with each step, verified in one pass down the route, so a trip can return several tokens;"
-                      " the text is the same (default auto: drafts where they keep being accepted)")
-    join.add_argument("--draft-max", type=int, help="as an entry: draft tokens a step carries at most (default 8)")
+                      " the text is the same (default auto: drafts where they pay for their rows)")
+    join.add_argument("--draft-max", type=int, help="as an entry: draft tokens a step carries at most (default 32; a greedy"
+                      " generation sends as many as pay for their rows at the trip and acceptance measured)")
     join.add_argument("--draft", help="as an entry: a draft model (a GGUF file, an HF directory or a bundled name)"
                       " run whole on this daemon to propose the drafts, instead of prompt lookup; it must share the"
                       " model's tokenizer (refused at start otherwise)")

@@ -5,26 +5,37 @@ carries k drafts verified in one pass down the route returns up to k + 1 tokens 
 
 `PromptLookup` drafts without a model: the longest recent n-gram of the context (prompt and text so
 far) that occurred earlier is continued as it went on then (text that quotes or edits its prompt
-repeats long runs). `DraftLength` keeps k near what the generation's drafts have earned: it grows
-while drafts are accepted, shrinks as they fail, and falls to plain decoding (k = 0), trying one
-draft again after a pause that doubles each time it fails, so a workload whose drafts keep failing
-costs about what plain decoding costs. Both are pure: tokens in, tokens out.
+repeats long runs). `DraftLength` keeps k near what the generation's drafts have earned (the rule of
+a sampled generation, whose text must not depend on timings): it grows while drafts are accepted,
+shrinks as they fail, and falls to plain decoding (k = 0), trying one draft again after a pause
+that doubles each time it fails, so a workload whose drafts keep failing costs about what plain
+decoding costs. Both are pure: tokens in, tokens out.
 
 `worth_drafting` says when a step carries drafts at all: a verification pass costs several rows of
 compute, which pays only where a trip's round trips cost more than that compute. Within a greedy
-generation `StepCosts` weighs the two as measured: a draft is sent while its chance of acceptance
-times a trip exceeds what a row more costs (over slow links nearly always, on loopback only while
-drafts are mostly accepted).
+generation `StepCosts` weighs the two as measured and picks k for the most tokens a second: a step
+of k drafts costs a trip and k rows and returns 1 + a + a^2 + ... + a^k tokens expected, a being
+the generation's measured chance that a draft stands once the drafts before it stood
+(`DraftLength.stands`). Over slow links a row costs a percent or two of a trip, so about as many
+drafts as the lookup offers go, up to `--draft-max`, while they stand; on loopback a few, and only
+while most stand. Where none pay, plain steps for a pause, then one draft to measure again.
+(Offline, `bench/draft_sim.py`: over the greedy texts of spec_bench.py's two quoting prompts,
+with a 170 ms trip and a 2.5 ms row, 4.4 and 3.0 tokens a trip, where the acceptance rule alone
+returned 3.3 and 2.5 with at most 8 drafts, and fewer with at most 16: its halving and pauses
+after a miss cost the trips in which the text came back to the copy.)
 """
 
 from __future__ import annotations
 
 NGRAM_MAX = 3  # the longest suffix looked up
 NGRAM_MIN = 2  # single tokens repeat too often by chance to be worth a draft
-DRAFT_MAX = 8  # drafts a step carries at most (--draft-max)
+DRAFT_MAX = 32  # drafts a step carries at most (--draft-max): a step's rows past the first come out of a
+# hop's pass budget (meshd/hop/scheduler.py TOKEN_BUDGET, 256), and only a generation whose drafts stand
+# and whose trips cost many rows sends so many
 FIRST_K = 4
 PAUSE_MIN, PAUSE_MAX = 4, 64  # plain steps before one draft is tried again at k = 0
-WEIGHT = 0.25  # of the latest step in the running means of acceptance and of step times
+WEIGHT = 0.25  # of the latest step in the running means of step times
+KEEP = 0.9  # of the counts behind a draft's chance to stand, kept a step (the rest is the latest step's)
 
 
 def worth_drafting(remote_hops: int, generations: int) -> bool:
@@ -90,7 +101,12 @@ class DraftLength:
         self.k = min(first, most)
         self.pause = 0  # plain steps left before a draft is tried again
         self.next_pause = PAUSE_MIN
-        self.acceptance = 1.0  # running mean of the share of a step's drafts accepted (the benefit of the doubt)
+        self.stood, self.fell = 1.0, 1.0  # decayed counts: drafts accepted; steps where a draft was rejected
+
+    def stands(self) -> float:
+        """The chance that a draft is accepted once the drafts before it in its step were (drafts
+        stand in runs: a copy goes on until the text leaves it), as measured so far."""
+        return self.stood / (self.stood + self.fell)
 
     def wanted(self) -> int:
         """Drafts for the next step (call once a step)."""
@@ -107,7 +123,8 @@ class DraftLength:
         """A step carried `drafted` drafts and the tail accepted `accepted` of them."""
         if drafted <= 0:
             return
-        self.acceptance += WEIGHT * (accepted / drafted - self.acceptance)
+        self.stood = KEEP * self.stood + accepted
+        self.fell = KEEP * self.fell + (accepted < drafted)
         if accepted >= drafted:
             self.k = min(self.most, max(self.k, drafted) + 2)
             self.next_pause = PAUSE_MIN
@@ -116,12 +133,27 @@ class DraftLength:
         else:
             self.k //= 2
             if self.k == 0:
-                self.pause = self.next_pause
-                self.next_pause = min(PAUSE_MAX, 2 * self.next_pause)
+                self._pause()
 
-    def hold(self) -> None:
-        """Drafts would cost more than they save for now: plain steps for a pause, then a probe."""
-        self.k = 0
+    def paying(self, k: int) -> int:
+        """Drafts for the next step where measured costs chose `k` (call once a step): k, or where
+        none pay at the chance measured, plain steps for a pause and then one draft, which keeps
+        that chance measured (the pause doubles each time drafts still do not pay)."""
+        if self.most == 0:
+            return 0
+        if k > 0:
+            self.k, self.next_pause = min(k, self.most), PAUSE_MIN
+            return self.k
+        if self.k > 0:  # drafts stopped paying: a pause first
+            self.k = 0
+            self._pause()
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        self._pause()
+        return 1
+
+    def _pause(self) -> None:
         self.pause = self.next_pause
         self.next_pause = min(PAUSE_MAX, 2 * self.next_pause)
 
@@ -133,9 +165,8 @@ def _mean(old: float | None, new: float) -> float:
 class StepCosts:
     """What a step costs this entry, measured: a trip (a plain step: one row down the route and its
     token back) and each draft more (its proposal, and its row through every hop and the LM head).
-    An accepted draft saves a trip, every draft costs a row, so drafts pay while acceptance times a
-    trip exceeds a row. For greedy generations only: a choice made on timings would change the text
-    a seed gives a sampled one."""
+    An accepted draft saves a trip, every draft costs a row: `best_k` weighs the two. For greedy
+    generations only: a choice made on timings would change the text a seed gives a sampled one."""
 
     def __init__(self) -> None:
         self.trip: float | None = None  # seconds, running mean of plain steps
@@ -148,10 +179,20 @@ class StepCosts:
         elif self.trip is not None:
             self.row = _mean(self.row, max(0.0, seconds - self.trip) / (rows - 1))
 
-    def pays(self, acceptance: float) -> bool:
-        """Whether drafts accepted at this rate save more than they cost (until a draft step was
-        timed, they are given the benefit of the doubt)."""
-        return self.row is None or acceptance * self.trip > self.row
+    def best_k(self, stands: float, most: int) -> int:
+        """The number of drafts, 0 to `most`, whose step returns the most tokens a second when each
+        draft stands with chance `stands` once those before it did: k drafts cost a trip and k rows
+        and return 1 + stands + ... + stands^k tokens, expected (a trip and a row timed first)."""
+        trip = max(self.trip, 1e-9)
+        best, best_rate = 0, 1.0 / trip
+        tokens, p = 1.0, 1.0
+        for k in range(1, most + 1):
+            p *= stands
+            tokens += p
+            rate = tokens / (trip + k * self.row)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
 
 class Drafts:
@@ -170,13 +211,14 @@ class Drafts:
     def propose(self, context: list[int], room: int) -> list[int]:
         """Drafts after the context, at most `room` (what the generation may still produce, less
         the token the step itself gives). With costs, the first step goes plain, timing a trip."""
-        if self.costs is not None and self.costs.trip is None:
-            k = 0
-        else:
+        if self.costs is None:
             k = self.length.wanted()
-            if k > 1 and self.costs is not None and not self.costs.pays(self.length.acceptance):
-                self.length.hold()  # a probe (k = 1) still goes: it keeps the acceptance measured
-                k = 0
+        elif self.costs.trip is None:
+            k = 0
+        elif self.costs.row is None:  # no draft step timed yet: as the acceptance says
+            k = self.length.wanted()
+        else:
+            k = self.length.paying(self.costs.best_k(self.length.stands(), self.length.most))
         return self.source.propose(context, min(k, max(0, room)))
 
     def observe(self, rows: int, seconds: float) -> None:

@@ -11,6 +11,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from meshd.entry.drafts import DRAFT_MAX
+
 DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/4690"]
 DEFAULT_CONFIG = "/etc/meshd/meshd.toml"
 
@@ -64,7 +66,7 @@ class Settings:
     microbatches: int = 2  # groups of generations an entry keeps in separate passes, at most one per daemon
     # on the route (0: exactly one per daemon on the route)
     speculate: str = "auto"  # as an entry: drafts with each step (auto) or plain decoding (off)
-    draft_max: int = 8  # as an entry: drafts a step carries at most
+    draft_max: int = DRAFT_MAX  # as an entry: drafts a step carries at most
     draft: str = ""  # as an entry: a draft model (GGUF file or HF directory) run whole here; empty: prompt lookup
     verify_rate: float = 0.05  # as an entry: share of generations also run on a second route and compared (0: none)
     relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
