@@ -183,8 +183,7 @@ def test_the_draft_count_maximises_expected_tokens_a_second():
     assert costs.best_k(0.95, 32) < 16 and costs.best_k(0.76, 32) <= 4 and costs.best_k(0.1, 32) == 0
     costs.row = 0.0
     assert costs.best_k(0.5, 32) == 32  # rows for free: every draft
-    for stands in (0.3, 0.6, 0.9):  # more drafts as they stand better, and as trips cost more rows
-        assert costs.best_k(stands, 32) >= 0
+    # more drafts as they stand better, and as trips cost more rows
     slow, quick = StepCosts(), StepCosts()
     slow.trip, quick.trip, slow.row, quick.row = 0.3, 0.03, 0.003, 0.003
     assert [slow.best_k(a, 32) for a in (0.3, 0.6, 0.9)] == sorted(slow.best_k(a, 32) for a in (0.3, 0.6, 0.9))
