@@ -10,8 +10,8 @@
  *   elements 4g..4g+3 in their low nibbles and 16+4g.. in their high ones).
  *
  * Why: lane r of a register is row r, so one pass over a tile-block sums eight rows: their exact
- * integers (Q4: eight maddubs added as int16, no pair of whose products can reach its range, then one
- * madd; VNNI: vpdpbusd chains), the eight scales one F16C conversion, one fused multiply-add, where
+ * integers (Q4: eight maddubs added as int16, whose sum cannot leave the int16 range, then one madd;
+ * VNNI: vpdpbusd chains), the eight scales one F16C conversion, one fused multiply-add, where
  * the row layout reduces each row's eight partial sums across lanes. The float steps are the row
  * layout's (the rule in _blocks.c), so a tiled tensor gives the row layout's bits on every path
  * (tested), and the tensor streams from memory as one run of bytes per thread. Several x rows meet
