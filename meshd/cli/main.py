@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in (join, local):
         cmd.add_argument("--kernel-isa", choices=["portable", "avx2", "avx512"], help="run the block kernel on at most"
                          " this instruction set (default: the best the CPU has; they compute the same bits)")
-        cmd.add_argument("--kernel-layout", choices=["auto", "rows", "tiles"], help="keep Q4_0 and Q4_1 weights in"
-                         " tiles of eight rows where that is faster (auto, the default), every weight in the file's rows,"
-                         " or Q4_0, Q4_1 and Q8_0 in tiles everywhere (the same bits)")
+        cmd.add_argument("--kernel-layout", choices=["auto", "rows", "tiles"], help="keep weights in tiles of eight"
+                         " rows where that is faster (auto, the default: Q4_0 and Q4_1 on AVX2 and AVX-512, Q8_0 on"
+                         " AVX-512), every weight in the file's rows, or Q4_0, Q4_1 and Q8_0 in tiles everywhere (the"
+                         " same bits)")
         cmd.add_argument("--wire-encoding", choices=["raw", "zstd", "auto"], help="how hidden states travel between"
                          " shards: raw float32 (default), zstd, or auto (zstd where it saves a tenth)")
         cmd.add_argument("--chunk-tokens", type=int, help="prompt tokens per prefill chunk (default 128)")
