@@ -40,10 +40,11 @@ def wait_ledger(d, predicate, what: str, timeout: float = 30.0) -> dict:
         time.sleep(0.3)
 
 
-def start_generation(d, tokens: int = 400) -> subprocess.Popen:
-    """A long generation through `d`, returned once `d` runs it."""
+def start_generation(d, tokens: int = 1500) -> subprocess.Popen:
+    """A long generation through `d`, returned once `d` runs it (plain decoding, and long enough that
+    it is still running when the test ends it: 400 tokens with drafts had finished within the second)."""
     client = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(d.socket), "generate",
-                               "--max-tokens", str(tokens), "--ignore-eos", PROMPT],
+                               "--max-tokens", str(tokens), "--ignore-eos", "--no-speculate", PROMPT],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     d.wait_for(lambda s: s["generations"] >= 1, timeout=30, what="a running generation")
     time.sleep(1.0)  # some tokens are generated
