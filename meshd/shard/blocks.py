@@ -15,6 +15,7 @@ pass of many positions gives each the bits one-position steps give (prefill, rep
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,9 +141,10 @@ def set_layout(name: str) -> None:
 def tiles_pay(qtype: QT) -> bool:
     """Whether this process keeps weights of this type in tiles: Q4_0 and Q4_1 where the kernel runs on
     AVX2 or AVX-512, Q8_0 on AVX-512 (the portable path reads tiles too, and gives the same bits). On
-    AVX2, Q8_0 stays in rows: its tiles took 1.16x the time of its rows for one x row of a 49152 x 576
-    LM head, though 0.55x for eight (recipe v4, kernel time of one thread, CPU avx2 avx512f held to
-    AVX2); on AVX-512 they took 0.73x, 0.33x and 0.45x for one, eight and 128 x rows."""
+    AVX2, Q8_0 stays in rows: its tiles took 1.13x the time of its rows for one x row of a 49152 x 576
+    LM head (0.92-0.94x on other shapes), though 0.5-0.6x for eight (recipe v4, median of five rounds,
+    kernel time of one thread, CPU avx2 avx512f held to AVX2); on AVX-512 they took 0.73x, 0.33x and
+    0.45x for one, eight and 128 x rows."""
     if _layout != "auto":
         return _layout == "tiles" and qtype in TILE_TYPES
     here = isa()
@@ -164,6 +166,7 @@ def tile(qtype: QT, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+@functools.cache
 def _lane_bytes(qtype: QT) -> np.ndarray:
     """[TILE, block bytes]: where each byte of lane r's block sits in its tile-block."""
     _, size = GGML_QUANT_SIZES[qtype]
