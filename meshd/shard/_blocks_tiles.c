@@ -104,7 +104,13 @@ AVX2 static inline __attribute__((always_inline)) __m256i tile_sum_avx2(const in
         p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(u[4 + g], _mm256_set1_epi32(x4[4 + g])));
     }
     __m256i t = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
-    return qtype == Q4_0 ? _mm256_sub_epi32(t, _mm256_set1_epi32(8 * x->sum)) : t;
+    return code_bias(qtype) ? _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(qtype) * x->sum)) : t;
+}
+
+/* Where a VNNI sum of a block starts: minus its code offset (Q4_0's 8) times x's sum of q, or for
+ * Q8_0, whose codes go in as u ^ 0x80 = u + 128, minus 128 times it. */
+static inline int32_t vnni_start(int qtype, const XBlock *x) {
+    return -(qtype == Q8_0 ? 128 : code_bias(qtype)) * x->sum;
 }
 
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -113,7 +119,7 @@ AVX2 static inline __attribute__((always_inline)) __m256i tile_sum_avx2(const in
 VNNI static inline __attribute__((always_inline)) __m256i tile_sum_vnni(const int qtype, const __m256i *u, const XBlock *x) {
     int32_t x4[8];
     memcpy(x4, x->q, sizeof x4);
-    __m256i t0 = _mm256_set1_epi32(qtype == Q8_0 ? -128 * x->sum : (qtype == Q4_0 ? -8 * x->sum : 0));
+    __m256i t0 = _mm256_set1_epi32(vnni_start(qtype, x));
     __m256i t1 = _mm256_setzero_si256();
     for (int g = 0; g < 4; g++) {
         t0 = _mm256_dpbusd_epi32(t0, u[g], _mm256_set1_epi32(x4[g]));
@@ -217,7 +223,7 @@ tiles2_512(const int qtype, const int R, const uint8_t *t0, const uint8_t *t1, c
             const XBlock *x = x0 + r * nb + b;
             int32_t x4[8];
             memcpy(x4, x->q, sizeof x4);
-            __m512i s0 = _mm512_set1_epi32(qtype == Q8_0 ? -128 * x->sum : (qtype == Q4_0 ? -8 * x->sum : 0));
+            __m512i s0 = _mm512_set1_epi32(vnni_start(qtype, x));
             __m512i s1 = _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
                 s0 = _mm512_dpbusd_epi32(s0, u[g], _mm512_set1_epi32(x4[g]));
