@@ -2,11 +2,11 @@
 Q8_0, Q4_K, Q5_K and Q6_K, its RMSNorm and its attention over bfloat16 KV.
 
 Rule: a `BlockWeight` holds the GGUF tensor's own bytes (memory follows the file, byte for byte; Q4_0
-and Q4_1 reordered into tiles of eight rows where the vector paths run, `tiles_pay`) and
+and Q4_1, and Q8_0 on AVX-512, reordered into tiles of eight rows where they pay, `tiles_pay`) and
 multiplies them with integer dot products against float32 activations quantized to 8 bits per
 32-wide block (for a K type, per 256-wide super-block, whose sub-block scales, mins and Q6_K's code
 offset are then applied in integers, one float step per super-block), in meshd's C extension (`_blocks.c`, built with the package). Every output is summed in
-one fixed order whatever the row count, batch, thread count or CPU (AVX2 or the portable C path), so
+one fixed order whatever the row count, batch, thread count or CPU (AVX-512, AVX2 or the portable C path), so
 a row's bits never depend on its neighbours or on the peer. Where the extension did not build, `KERNEL`
 is None, the lane falls back to torch's int4 layout, and its recipe layout says so.
 RMSNorm and attention run per row in the same way: a query row attends as a decode step would, so a
