@@ -99,7 +99,7 @@ def test_a_generation_crossing_a_relay_that_dies_finishes_with_the_same_text_and
                 mesh.daemons[0].kill()
                 rest, stall = read_rest(proc.stdout)  # the longest pause: the time the mesh took to recover
                 err = proc.stderr.read()
-                assert proc.wait(timeout=300) == 0, err + homes[0].tail()
+                assert proc.wait(timeout=300) == 0, err + mesh.tails()
             finally:
                 if proc.poll() is None:
                     proc.kill()

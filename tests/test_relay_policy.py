@@ -48,3 +48,44 @@ def test_nothing_to_try_once_enough_are_held():
     assert choose_relays(cands, {"x"}, {}, NOW, want=1) == []
     assert choose_relays(cands, set(), {}, NOW, want=0) == []
     assert choose_relays([], set(), {}, NOW, want=3) == []
+
+
+def test_a_peer_whose_hole_punches_all_failed_is_tried_again_after_a_doubling_backoff(monkeypatch):
+    import trio
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
+
+    from meshd.relay.punch import HolePuncher, retry_backoff
+
+    assert [retry_backoff(None), retry_backoff(10.0), retry_backoff(400.0)] == [10.0, 20.0, 600.0]
+    outcomes = iter([False, False, True])
+
+    async def punched(self, peer_id):  # py-libp2p's three attempts: twice nothing gets through, then it does
+        if self._hole_punch_attempts.get(peer_id, 0) >= MAX_HOLE_PUNCH_ATTEMPTS:
+            return False  # spent: it tries nothing
+        self._hole_punch_attempts[peer_id] = MAX_HOLE_PUNCH_ATTEMPTS
+        return next(outcomes)
+
+    async def no_direct(peer_id):
+        return False
+
+    monkeypatch.setattr(DCUtRProtocol, "initiate_hole_punch", punched)
+    peer, clock = ID.from_base58("12D3KooWRmE5HVNqYU5Krd63qg39gZHpPLY5Kw9BZJAqKHvN2a2h"), [100.0]
+    p = HolePuncher.__new__(HolePuncher)  # no host: only the bookkeeping runs
+    p.attempts = p.upgraded = p.failed = p.retries = 0
+    p.seconds, p._retry, p._hole_punch_attempts, p._in_progress = [], {}, {}, set()
+    p.clock, p._have_direct_connection = lambda: clock[0], no_direct
+    assert trio.run(p.initiate_hole_punch, peer) is False
+    assert p.failed == 1 and p._retry[peer] == (110.0, 10.0)
+    assert p.renew_due(109.9) == [] and p._hole_punch_attempts[peer] == MAX_HOLE_PUNCH_ATTEMPTS
+    assert p.renew_due(110.0) == [peer] and peer not in p._hole_punch_attempts and p.retries == 1
+    assert p.renew_due(111.0) == []  # renewed once a backoff
+    clock[0] = 111.0
+    assert trio.run(p.initiate_hole_punch, peer) is False
+    assert p._retry[peer] == (131.0, 20.0)  # the next wait is twice as long
+    assert trio.run(p.initiate_hole_punch, peer) is False and p.attempts == 2  # spent: nothing tried, not counted
+    clock[0] = 131.0
+    assert p.renew_due(131.0) == [peer]
+    assert trio.run(p.initiate_hole_punch, peer) is True  # this one gets through: the backoff is forgotten
+    assert p.upgraded == 1 and p.attempts == 3 and peer not in p._retry
+    assert p.summary()["retries"] == 2

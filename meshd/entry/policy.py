@@ -40,11 +40,15 @@ class Retries:
         planning again, or None to give up. While `lapsed` peers (whose serving records of the missing
         layers lapsed lately) may republish, every LAPSE_POLL_S up to `lapse_wait_s` from the first
         wait: a live peer's republish that came late (a loaded box, a slow link) must not fail the
-        generation, and a peer this generation saw fail is not waited for. Then one refresh at once,
-        once a generation (a record this view never read); a layer nobody serves fails after it."""
+        generation. That holds for a peer this generation saw fail too: when a relay dies, the private
+        daemons behind it fail mid-stream and their records lapse here together (their pushes ran
+        through it), while they reserve at another relay and republish (seen in CI: both hops behind
+        a killed relay failed, their records lapsed, and the generation failed with both alive). A
+        dead peer costs the wait. Then one refresh at once, once a generation (a record this view
+        never read); a layer nobody serves fails after it."""
         if exc.code != ErrorCode.NO_ROUTE or self.busy:
             return None
-        if lapsed - self.failed:
+        if lapsed:
             if self.lapse_deadline is None:
                 self.lapse_deadline = now + self.lapse_wait_s
             if self.lapse_deadline > now:

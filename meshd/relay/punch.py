@@ -10,7 +10,10 @@ take the direct connection. Rules added here: no first plain dial at the address
 (meshd's dialler tried the peer's record addresses already), punch dials get `DIAL_TIMEOUT`; py-libp2p closes
 the relayed connection 60 s after an upgrade, resetting whatever still runs on it, so here it is
 closed only once no session stream (`busy_protocols`) is left on it, or after `DRAIN_MAX_S`;
-attempts and their outcome are counted for `meshctl status`.
+attempts and their outcome are counted for `meshctl status`. py-libp2p gives up on a peer after
+three failed attempts for as long as the relayed connection lasts; here a peer whose attempts are
+spent is tried again after a backoff (`retry_backoff`: 10 s, doubling up to 10 min), so a punch that
+failed while the boxes were loaded, or before a router's mapping settled, is not given up for good.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from meshd.p2p.connections import is_relayed, live_connections
 DIAL_TIMEOUT = 2
 DRAIN_MAX_S = 600.0  # a relayed connection still carrying sessions is closed after this anyway
 DRAIN_POLL_S = 2.0
+RETRY_FIRST_S, RETRY_MAX_S = 10.0, 600.0
 log = get_logger(__name__)
+
+
+def retry_backoff(previous: float | None) -> float:
+    """Seconds until a peer whose punches all failed is tried again: RETRY_FIRST_S, then twice the
+    previous wait, at most RETRY_MAX_S."""
+    return RETRY_FIRST_S if previous is None else min(RETRY_MAX_S, previous * 2)
 
 
 class HolePuncher(DCUtRProtocol):
@@ -36,11 +46,14 @@ class HolePuncher(DCUtRProtocol):
         self.grace_s = grace_s
         self.attempts = self.upgraded = self.failed = 0
         self.seconds: list[float] = []  # duration of each successful punch
+        self.retries = 0  # peers whose spent attempts were renewed after a backoff
+        self._retry: dict = {}  # peer ID -> (clock time its attempts are renewed, that backoff)
+        self.clock = time.monotonic
 
     def summary(self) -> dict:
         secs = sorted(self.seconds)
         return {"attempts": self.attempts, "upgraded": self.upgraded, "failed": self.failed,
-                "in_progress": self.attempts - self.upgraded - self.failed,
+                "in_progress": self.attempts - self.upgraded - self.failed, "retries": self.retries,
                 "median_s": round(secs[len(secs) // 2], 3) if secs else None}
 
     async def initiate_hole_punch(self, peer_id) -> bool:
@@ -55,15 +68,42 @@ class HolePuncher(DCUtRProtocol):
             log.info("hole punch failed", peer=peer_id.to_base58()[-8:], error=f"{type(exc).__name__}: {exc}")
             ok = False
         if ok:
+            self._retry.pop(peer_id, None)
             self.upgraded += 1
             self.seconds.append(time.monotonic() - t0)
             log.info("hole punched: direct connection", peer=peer_id.to_base58()[-8:],
                      seconds=round(time.monotonic() - t0, 3))
         else:
             self.failed += 1
+            spent = self._hole_punch_attempts.get(peer_id, 0) >= MAX_HOLE_PUNCH_ATTEMPTS
+            if spent:
+                wait = retry_backoff(self._retry[peer_id][1] if peer_id in self._retry else None)
+                self._retry[peer_id] = (self.clock() + wait, wait)
             log.info("hole punch did not get through", peer=peer_id.to_base58()[-8:],
-                     attempt=self._hole_punch_attempts.get(peer_id, 0))
+                     attempt=self._hole_punch_attempts.get(peer_id, 0),
+                     retry_in_s=self._retry[peer_id][1] if spent else None)
         return ok
+
+    def renew_due(self, now: float) -> list:
+        """Give the peers whose backoff is over their attempts again (the auto-drive loop, every 2 s,
+        punches a relayed peer with attempts left); returns them."""
+        due = [p for p, (at, _) in self._retry.items() if at <= now
+               and self._hole_punch_attempts.get(p, 0) >= MAX_HOLE_PUNCH_ATTEMPTS]
+        for p in due:
+            self._hole_punch_attempts.pop(p, None)
+            self.retries += 1
+            log.info("hole punch: trying again", peer=p.to_base58()[-8:], after_s=self._retry[p][1])
+        return due
+
+    async def _auto_drive_loop(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._renew_loop)
+            await super()._auto_drive_loop()
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await trio.sleep(DRAIN_POLL_S)
+            self.renew_due(self.clock())
 
     async def _try_unilateral_upgrade(self, peer_id) -> bool:
         """DCUtR's step 0, a plain dial at the peer's other addresses, is skipped: meshd's dialler

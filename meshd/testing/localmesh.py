@@ -148,7 +148,27 @@ class Mesh:
                        what="every daemon serving")
         return started
 
+    def tails(self, n: int = 40, skip: str = "Failed to open TCP stream") -> str:
+        """Every daemon's last `n` log lines but those containing `skip` (py-libp2p logs each failed
+        dial of an address), for an assertion's message."""
+        out = []
+        for d in self.daemons:
+            try:
+                lines = [ln for ln in d.log_path.read_text(errors="replace").splitlines() if skip not in ln]
+            except OSError:
+                lines = []
+            out.append(f"--- {d.name} ---\n" + "\n".join(lines[-n:]))
+        return "\n".join(out)
+
     def close(self) -> None:
+        """Stop every daemon; with MESHD_KEEP_LOGS=DIR set, their logs are kept under DIR first."""
         for d in self.daemons:
             d.terminate()
+        keep = os.environ.get("MESHD_KEEP_LOGS")
+        if keep:
+            for d in self.daemons:
+                dest = Path(keep) / self.root.name / d.name
+                dest.mkdir(parents=True, exist_ok=True)
+                if d.log_path.exists():
+                    shutil.copy(d.log_path, dest / "log")
         shutil.rmtree(self.root, ignore_errors=True)
