@@ -406,10 +406,11 @@ def kv(kv_heads: int, length: int, hd: int, capacity: int):
     return k[:, :, :length], v[:, :, :length]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
-def test_attention_follows_sdpa_and_each_row_equals_its_decode_step(heads, kv_heads):
-    hd, pos, n = 64, 5, 7
-    keys, values = kv(kv_heads, pos + n, hd, 40)
+@pytest.mark.parametrize("heads,kv_heads,pos,n", [(4, 4, 5, 7), (9, 3, 5, 7), (9, 3, 37, 4)])
+def test_attention_follows_sdpa_and_each_row_equals_its_decode_step(heads, kv_heads, pos, n):
+    """(9, 3, 37, 4): rows over 38-41 keys, five blocks of eight and every tail after them."""
+    hd = 64
+    keys, values = kv(kv_heads, pos + n, hd, 64)
     q = torch.randn(1, n, heads, hd).transpose(1, 2)  # the strided view a layer hands over
     out = blocks.attention(q, keys, values, pos)
     assert out.shape == (1, heads, n, hd)

@@ -126,6 +126,19 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 exp8_avx2(__m256 x
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
+/* lanes_sum of eight accumulators at once: out[u] = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) of acc[u],
+ * the same additions in the same order (halves folded, then (b0+b2)+(b1+b3) by two hadd rounds). */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 lanes_sum8_avx2(const __m256 *acc) {
+    __m256 z[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                                 _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+        z[i] = _mm256_permute_ps(b, _MM_SHUFFLE(3, 1, 2, 0));  /* (b0, b2, b1, b3) per accumulator */
+    }
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(z[0], z[1]), _mm256_hadd_ps(z[2], z[3]));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, int64_t p0, int64_t p1,
                                                                    float *scores) {
     int group = a->heads / a->kv_heads, hd = a->hd;
@@ -135,8 +148,28 @@ __attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, 
         const float *q = a->q + r * a->q_row + h * a->q_head;
         const uint16_t *k = a->k + (h / group) * a->kv_head, *v = a->v + (h / group) * a->kv_head;
         float top = -INFINITY, sum = 0.0f;
-        /* four keys at a time: independent sums, each in its own d order */
+        /* eight keys at a time: independent sums, each in its own d order, reduced together (a scalar
+         * lanes_sum a key took as long as its dot product) */
         int64_t t = 0;
+        __m256 vtop8 = _mm256_set1_ps(-INFINITY);
+        for (; t + 8 <= total; t += 8) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) {
+                __m256 qd = _mm256_loadu_ps(q + d);
+                for (int u = 0; u < 8; u++)
+                    acc[u] = _mm256_fmadd_ps(qd, bf16x8_avx2(k + (t + u) * a->kv_pos + d), acc[u]);
+            }
+            __m256 s = _mm256_mul_ps(lanes_sum8_avx2(acc), _mm256_set1_ps(a->scale));
+            _mm256_storeu_ps(scores + t, s);
+            vtop8 = _mm256_max_ps(vtop8, s);
+        }
+        if (t) {
+            float tops[8];
+            _mm256_storeu_ps(tops, vtop8);
+            for (int u = 0; u < 8; u++) top = fmaxf(top, tops[u]);
+        }
+        /* then four keys at a time */
         for (; t + 4 <= total; t += 4) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int d = 0; d < hd; d += 8) {
