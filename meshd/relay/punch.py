@@ -30,6 +30,7 @@ DIAL_TIMEOUT = 2
 DRAIN_MAX_S = 600.0  # a relayed connection still carrying sessions is closed after this anyway
 DRAIN_POLL_S = 2.0
 RETRY_FIRST_S, RETRY_MAX_S = 10.0, 600.0
+RENEW_POLL_S = 2.0  # how often spent peers are looked at (py-libp2p's auto-drive loop runs as often)
 log = get_logger(__name__)
 
 
@@ -102,7 +103,7 @@ class HolePuncher(DCUtRProtocol):
 
     async def _renew_loop(self) -> None:
         while True:
-            await trio.sleep(DRAIN_POLL_S)
+            await trio.sleep(RENEW_POLL_S)
             self.renew_due(self.clock())
 
     async def _try_unilateral_upgrade(self, peer_id) -> bool:

@@ -164,27 +164,10 @@ __attribute__((target("avx2,fma,f16c"))) static void attend_avx2(const Attn *a, 
             _mm256_storeu_ps(scores + t, s);
             vtop8 = _mm256_max_ps(vtop8, s);
         }
-        if (t) {
-            float tops[8];
-            _mm256_storeu_ps(tops, vtop8);
-            for (int u = 0; u < 8; u++) top = fmaxf(top, tops[u]);
-        }
-        /* then four keys at a time */
-        for (; t + 4 <= total; t += 4) {
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int d = 0; d < hd; d += 8) {
-                __m256 qd = _mm256_loadu_ps(q + d);
-                for (int u = 0; u < 4; u++)
-                    acc[u] = _mm256_fmadd_ps(qd, bf16x8_avx2(k + (t + u) * a->kv_pos + d), acc[u]);
-            }
-            for (int u = 0; u < 4; u++) {
-                float lane[8];
-                _mm256_storeu_ps(lane, acc[u]);
-                scores[t + u] = lanes_sum(lane) * a->scale;
-                top = fmaxf(top, scores[t + u]);
-            }
-        }
-        for (; t < total; t++) {
+        float tops[8];
+        _mm256_storeu_ps(tops, vtop8);
+        for (int u = 0; u < 8; u++) top = fmaxf(top, tops[u]);
+        for (; t < total; t++) {  /* the last few keys one at a time */
             __m256 acc = _mm256_setzero_ps();
             for (int d = 0; d < hd; d += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), bf16x8_avx2(k + t * a->kv_pos + d), acc);

@@ -57,7 +57,7 @@ class TextStream:
     """Turns token ids into text pieces as they arrive, holding back incomplete UTF-8 sequences.
 
     Each push decodes a window, not the whole text so far (that cost O(n) a token: 0.17 ms at 1000
-    tokens, 0.57 ms at 4000, with the GIL held, against a ~3.5 ms decode step): the tokens from the
+    tokens, 0.57 ms at 4000, on the daemon's event thread): the tokens from the
     start of the last emitted piece on, with and without the tokens not yet emitted; the piece is
     what the new ones add. Starting the window a piece back keeps what depends on the tokens before
     (a SentencePiece leading space, dropped at the start of a decode; a multi-byte character split

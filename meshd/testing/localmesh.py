@@ -55,11 +55,13 @@ class DaemonProc:
     def addr(self) -> str:
         return self.status()["addrs"][0]
 
-    def tail(self, n: int = 30) -> str:
+    def tail(self, n: int = 30, skip: str | None = None) -> str:
+        """The log's last `n` lines (leaving out those containing `skip`)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        return "\n".join([ln for ln in lines if skip is None or skip not in ln][-n:])
 
     def error_lines(self) -> list[str]:
         """The ERROR lines in its log so far: meshd's own (JSON, level error) and its libraries' ("ERROR name: ...")."""
@@ -151,14 +153,7 @@ class Mesh:
     def tails(self, n: int = 40, skip: str = "Failed to open TCP stream") -> str:
         """Every daemon's last `n` log lines but those containing `skip` (py-libp2p logs each failed
         dial of an address), for an assertion's message."""
-        out = []
-        for d in self.daemons:
-            try:
-                lines = [ln for ln in d.log_path.read_text(errors="replace").splitlines() if skip not in ln]
-            except OSError:
-                lines = []
-            out.append(f"--- {d.name} ---\n" + "\n".join(lines[-n:]))
-        return "\n".join(out)
+        return "\n".join(f"--- {d.name} ---\n{d.tail(n, skip)}" for d in self.daemons)
 
     def close(self) -> None:
         """Stop every daemon; with MESHD_KEEP_LOGS=DIR set, their logs are kept under DIR first."""
