@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import trio
 
+from meshd.dht.record import open_record
 from meshd.testing.dhtnet import open_swarm, run_all
 
 N_NODES = 64
@@ -57,7 +58,8 @@ async def test_64_nodes_find_every_record_forget_vanished_ones_and_ignore_forger
             expires = time.time() + SHORT_TTL_S
             askers = rng.sample([n for n in nodes if n.key not in short], 8)
             seen, _ = await get_all(askers, list(short))
-            assert all(v == short[k] for (_, k), v in seen.items())
+            missed = [(i, k) for (i, k), v in seen.items() if v != short[k]]
+            assert not missed, f"short-lived records not found right after their put: {missed}"
             for n in leaving:
                 await n.leave()
 
@@ -88,9 +90,11 @@ async def test_64_nodes_find_every_record_forget_vanished_ones_and_ignore_forger
                     assert await attacker.walker.store_at(others, key, forged) == 0
                 await attacker.walker.store_at(others, key, old[key])
             after, _ = await get_all(live, [n.key for n in attacked])
-            assert all(v == new[k] for (_, k), v in after.items())
+            stale = {(i, k): v and open_record(v).seq for (i, k), v in after.items() if v != new[k]}
+            assert not stale, f"lookups after the forgeries that missed the newest record (seq found): {stale}"
 
             # the vanished owners' records are gone once their TTL has passed
             await trio.sleep(max(0.0, expires - time.time()))
             gone, _ = await get_all(rng.sample(live, 8), list(short))
-            assert all(v is None for v in gone.values())
+            kept = [ik for ik, v in gone.items() if v is not None]
+            assert not kept, f"vanished owners' records still found past their TTL: {kept}"

@@ -98,3 +98,30 @@ def test_a_peer_named_again_is_not_asked_twice_and_an_answer_keeps_the_walk_open
         for p in lookup.next_queries():
             lookup.answer(p)
     assert set(front) <= lookup.answered and lookup.result() == front
+
+
+def test_a_get_settles_only_once_the_peers_closer_than_its_quorum_answered():
+    """Stale copies far from the key (a replay stored everywhere) must not end a get before the
+    peers closest to the key, which hold the newest copy, were asked."""
+    peers, tables = make_network(200, k=8, seed=4)
+    target = key_point(b"/meshd/replayed")
+    ranked = closest(target, peers, len(peers))
+    far, near = ranked[-3:], ranked[:5]
+    lookup = Lookup(target, far, k=8, alpha=3)
+    for p in lookup.next_queries():
+        lookup.answer(p, near)
+    holders = set(far)  # every far peer answered with a (stale) value
+    assert sum(p in holders for p in lookup.front()) == 3  # three front peers hold one...
+    assert not lookup.settled(holders, 3)  # ...but five peers closer than them were not asked yet
+    rng = random.Random(5)
+    for i in range(40):
+        me = rng.choice(peers)
+        target = key_point(f"/meshd/record-{i}".encode())
+        truth = closest(target, [p for p in peers if p != me], 8)
+        lookup = Lookup(target, rng.sample(tables[me], 3), k=8, alpha=3, exclude=[me])
+        while not lookup.settled(lookup.answered, 3):  # every peer holds some copy
+            batch = lookup.next_queries()
+            assert batch or lookup.waiting
+            for p in batch:
+                lookup.answer(p, closest(target, tables[p], 8))
+        assert set(truth[:3]) <= lookup.answered  # the newest copy, at the closest peers, was read

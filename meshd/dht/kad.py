@@ -30,7 +30,8 @@ from meshd.node.log import get_logger
 
 QUERY_TIMEOUT = 2.0  # one question to one peer, dial included
 WALK_TIMEOUT = 6.0  # one walk; whatever answered by then is the result
-GET_QUORUM = 3  # a get ends once this many of the k closest peers known returned a valid value
+GET_QUORUM = 3  # a get ends once this many of the k closest peers known returned a valid value and
+# every peer known closer than them answered (`Lookup.settled`)
 ADDR_TTL = 600  # seconds the addresses learnt from an answer stay in the peerstore
 UPKEEP_S = 600.0  # routing-table refresh and expired-entry cleanup (py-libp2p's own period)
 INBOUND_STREAMS = 64  # Kademlia streams a node serves at once (py-libp2p: 12); each republishing
@@ -85,7 +86,7 @@ class KadWalker:
             values[self.me] = own.value
 
         def enough(lookup: Lookup) -> bool:
-            return sum(p in values for p in lookup.front()) >= quorum
+            return lookup.settled(values, quorum)
 
         async def ask(peer: bytes) -> list[Message.Peer]:
             value, closer = await self._get_value(ID(peer), key)

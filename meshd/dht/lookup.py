@@ -11,7 +11,7 @@ made-up ones.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from typing import Container, Iterable
 
 K = 20  # replication and result size (Kademlia's k, go-libp2p's and py-libp2p's bucket size)
 ALPHA = 3  # queries in flight per walk
@@ -88,6 +88,20 @@ class Lookup:
     def done(self) -> bool:
         """Nothing in flight, and every peer of the front has answered."""
         return not self.waiting and all(p in self.answered for p in self.front())
+
+    def settled(self, holders: Container[bytes], quorum: int) -> bool:
+        """Whether `quorum` peers of the front hold a value and every front peer closer than the
+        quorum-th of them has answered. A get may end there: its values come from the closest
+        peers known, not from the first far ones asked (a stale copy, replayed by anyone, can sit
+        anywhere; the newest sits at the peers closest to the key)."""
+        held = 0
+        for p in self.front():
+            if p not in self.answered:
+                return False
+            held += p in holders
+            if held >= quorum:
+                return True
+        return False
 
     def result(self) -> list[bytes]:
         """The k closest peers that answered, closest first (where a value goes, or comes from)."""
