@@ -184,3 +184,26 @@ def test_new_generations_take_the_least_used_microbatch():
         for _ in range(n):
             microbatches.give(microbatch)
     assert microbatches.used == {}
+
+
+@pytest.mark.parametrize("ids, requested, switch, taken", [
+    (list(range(10)), 20, 0, 1),  # ends by its count
+    (list(range(10)), 20, 0, 7),
+    (list(range(40)), 100, 64, 1),  # a short table: the steps stop where the sequence passes the switch
+    (list(range(40)), 100, 64, 20),
+    (list(range(40)), 10, 64, 3),  # the count comes first
+    (list(range(70)), 100, 64, 2),  # long from the start: no switch left
+])
+def test_plain_steps_left_end_where_the_generation_must_stop_or_switch(ids, requested, switch, taken):
+    """A decode run of `plain_steps_left` steps ends exactly where the entry's loop stops stepping:
+    after its last token the generation is done or past the switch, and before it neither."""
+    gen = Generation.start(ids, requested, 256, switch=switch)
+    gen.take_table()
+    for t in range(taken):
+        gen.accept(t)
+    steps = gen.plain_steps_left()
+    assert steps > 0
+    for t in range(steps):
+        assert not gen.done and not gen.past_switch  # this token is fed to the next step
+        gen.accept(100 + t)
+    assert gen.done or gen.past_switch

@@ -1,4 +1,4 @@
-"""Three daemons serve a tiny random Phi-3 with longrope (pretraining context 32 of 256): a prompt already past
+"""One daemon and three serve a tiny random Phi-3 with longrope (pretraining context 32 of 256): a prompt already past
 the switch and a generation that grows past it (its entry opens the route again on the long table and computes
 the sequence anew) give the text of transformers' `generate`, and the generation's stats say where it switched."""
 
@@ -40,13 +40,15 @@ def reference(model, tok, prompt: str, n: int) -> tuple[str, int]:
     return "".join(stream.push(t) for t in tokens), len(ids)
 
 
-def test_three_daemons_past_the_switch_generate_transformers_text(phi3_dir):
+@pytest.mark.parametrize("ranges", [[(0, 6)], [(0, 2), (2, 4), (4, 6)]], ids=["one", "three"])
+def test_daemons_past_the_switch_generate_transformers_text(phi3_dir, ranges):
+    """One daemon runs its decode steps back to back up to the switch (`Generation.plain_steps_left`)."""
     model, tok, path = phi3_dir
     expected = [reference(model, tok, prompt, n) for prompt, n in CASES]
     assert expected[0][1] + CASES[0][1] > ORIGINAL + 1 > expected[0][1] and expected[1][1] > ORIGINAL
     m = Mesh()
     try:
-        entry = m.start_chain([(0, 2), (2, 4), (4, 6)], extra=["--model", str(path)])[0]
+        entry = m.start_chain(ranges, extra=["--model", str(path)])[0]
         for (prompt, n), (text, prompt_tokens) in zip(CASES, expected):
             out = ctl(entry.socket, ["generate", "--max-tokens", str(n), "--ignore-eos", "--stats", prompt])
             assert out.returncode == 0, out.stderr
@@ -54,6 +56,6 @@ def test_three_daemons_past_the_switch_generate_transformers_text(phi3_dir):
             stats = json.loads(out.stderr.strip().splitlines()[-1])
             switched = 0 if prompt_tokens > ORIGINAL else ORIGINAL + 1 - prompt_tokens
             assert (stats["rope_table"], stats["rope_switched_at"], stats["reroutes"]) == ("long", switched, 0)
-            assert len(stats["route"]) == 3
+            assert len(stats["route"]) == len(ranges)
     finally:
         m.close()

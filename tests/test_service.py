@@ -1,6 +1,9 @@
 """A shard's service under concurrent sessions: their frames share passes, each gets its solo answer,
 and past its bounds it answers `busy` at once."""
 
+import time
+from functools import partial
+
 import pytest
 import trio
 
@@ -208,3 +211,112 @@ def test_a_pass_can_wait_for_frames_due_from_other_sessions(artifact, compute):
 
         results[gather] = trio.run(main)
     assert results == {0.0: 2, 0.2: 1}
+
+
+async def run_tokens(service, sid: bytes, prompt: list[int], first: int, steps: int, stop=frozenset()) -> list[int]:
+    """The tokens of a decode run of `sid` after `first` (the prefill's token), as they arrive."""
+    def frame_of(i, fed):
+        return token_frame(sid, 0, i + 1, Phase.DECODE, len(prompt) + i, [fed])
+
+    out = []
+    async with service.decode_run(frame_of, first, steps, frozenset(stop)) as replies:
+        async for replies_of_step, took in replies:
+            assert isinstance(replies_of_step[0], Token) and took > 0
+            out.append(replies_of_step[0].token_id)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_a_decode_run_gives_the_tokens_of_ordinary_steps_and_stops_at_a_stop_token(artifact, compute, temperature):
+    service = service_for(artifact, compute)
+    prompt = PROMPTS[1]
+
+    async def main():
+        steps = await session(service, b"s" * 16, prompt, temperature)
+        await service.handle(open_msg(b"r" * 16, temperature))
+        (first,) = await service.handle(token_frame(b"r" * 16, 0, 0, Phase.PREFILL, 0, prompt))
+        before = (service.stats.steps, service.scheduler.stats.passes)
+        run = await run_tokens(service, b"r" * 16, prompt, first.token_id, STEPS)
+        counted = (service.stats.steps - before[0], service.scheduler.stats.passes - before[1])
+        await service.handle(Close(session_id=b"r" * 16, epoch=0))
+        # a stop token ends the run after it: the third token of the run stops it
+        await service.handle(open_msg(b"t" * 16, temperature))
+        await service.handle(token_frame(b"t" * 16, 0, 0, Phase.PREFILL, 0, prompt))
+        stopped = await run_tokens(service, b"t" * 16, prompt, first.token_id, STEPS, stop={steps[3]})
+        return steps, [first.token_id, *run], counted, stopped
+
+    steps, run, counted, stopped = trio.run(main)
+    assert run == steps  # bit for bit the tokens of one step a frame
+    assert counted == (STEPS, STEPS)  # every step of the run counts as a pass
+    assert stopped == steps[1:steps.index(steps[3]) + 1]
+
+
+def test_a_decode_run_gives_way_to_other_work_and_to_a_caller_that_leaves(artifact, compute):
+    service = service_for(artifact, compute)
+    prompt = PROMPTS[0]
+    a, b = b"a" * 16, b"b" * 16
+
+    def frame_of(i, fed, offset=0, hold=None):
+        hold and hold(offset + i)
+        return token_frame(a, 0, offset + i + 1, Phase.DECODE, len(prompt) + offset + i, [fed])
+
+    def until_other_work_waits(i):  # on the compute thread: step 1 begins once b's frame waits for it
+        deadline = time.monotonic() + 10
+        while i == 1 and not service.compute.waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    async def main():
+        solo = await session(service, b"s" * 16, prompt)
+        for sid in (a, b):
+            await service.handle(open_msg(sid))
+        (first,) = await service.handle(token_frame(a, 0, 0, Phase.PREFILL, 0, prompt))
+        ran, other = [], []
+
+        async def b_frame():
+            other.extend(await service.handle(token_frame(b, 0, 0, Phase.PREFILL, 0, [4, 5])))
+
+        async with trio.open_nursery() as nursery:
+            async with service.decode_run(partial(frame_of, hold=until_other_work_waits), first.token_id, 1000,
+                                          frozenset()) as replies:
+                async for out, _ in replies:
+                    ran.append(out[0].token_id)
+                    if len(ran) == 1:
+                        nursery.start_soon(b_frame)
+        # b's frame came after step 0 (before step 1 began, or while it ran): its pass came next
+        assert len(ran) in (1, 2) and isinstance(other[0], Token)
+        # a caller that leaves ends the run within a step (20 ms steps here); the session goes on from
+        # the token it took (a frame at an earlier position truncates the KV)
+        before, taken = service.stats.steps, []
+        slow = partial(frame_of, offset=len(ran), hold=lambda i: time.sleep(0.02))
+        async with service.decode_run(slow, ran[-1], 1000, frozenset()) as replies:
+            async for out, _ in replies:
+                taken.append(out[0].token_id)
+                break
+        assert service.stats.steps - before <= 3
+        fed = len(ran) + 1
+        (nxt,) = await service.handle(token_frame(a, 0, fed + 1, Phase.DECODE, len(prompt) + fed, [taken[0]]))
+        return solo, [first.token_id, *ran, *taken, nxt.token_id]
+
+    solo, tokens = trio.run(main)
+    assert tokens == solo[:len(tokens)]
+
+
+def test_a_decode_run_ends_on_an_error_its_step_answers(artifact, compute):
+    """Past the length the session was opened for, a step answers an Error: the run's last reply."""
+    service = service_for(artifact, compute)
+    prompt = PROMPTS[1]
+
+    async def main():
+        sid = b"e" * 16
+        await service.handle(open_msg(sid, max_length=16))
+        (first,) = await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, prompt))
+        got = []
+        frame_of = lambda i, fed: token_frame(sid, 0, i + 1, Phase.DECODE, len(prompt) + i, [fed])  # noqa: E731
+        async with service.decode_run(frame_of, first.token_id, 1000, frozenset()) as replies:
+            async for out, _ in replies:
+                got.append(out[0])
+        return got
+
+    got = trio.run(main)
+    assert all(isinstance(t, Token) for t in got[:-1]) and len(got) == 16 - len(PROMPTS[1]) + 1
+    assert isinstance(got[-1], Error) and "max length" in got[-1].message

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import AsyncIterator
 
 import trio
 
@@ -185,6 +187,30 @@ class Attempt:
         elif self.linked:
             self.sent_on_link()
         return None
+
+    def alone_here(self) -> bool:
+        """The route is this daemon's own layers, and no other session is open on them."""
+        return not self.hops and self.service is not None and len(self.service.endpoint.sessions) == 1
+
+    @asynccontextmanager
+    async def run_here(self, step, position, token, steps, stop) -> AsyncIterator[AsyncIterator[int]]:
+        """Plain decode steps back to back on this daemon's compute thread (`ShardService.decode_run`),
+        the first fed `token` at `position`: the token ids as they come. A route of this daemon alone."""
+        def frame_of(i: int, fed: int) -> Forward:
+            return token_frame(self.sid, self.epoch, step + i, Phase.DECODE, position + i, [fed])
+
+        async def tokens(replies) -> AsyncIterator[int]:
+            async for out, took in replies:
+                self.generation.local_s += took
+                if out and isinstance(out[0], Error):
+                    raise GenerationError(out[0].code, out[0].message)
+                if not out or not isinstance(out[0], Token):
+                    raise GenerationError(ErrorCode.INTERNAL, f"a decode step answered {out!r}")
+                self.last_token = out[0]
+                yield out[0].token_id
+
+        async with self.service.decode_run(frame_of, token, steps, stop) as replies:
+            yield tokens(replies)
 
     async def prefill(self, ids) -> int:
         spans = chunk_spans(len(ids))

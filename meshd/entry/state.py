@@ -122,6 +122,16 @@ class Generation:
         self.tokens.append(token)
         return self.done
 
+    def plain_steps_left(self) -> int:
+        """Decode steps that may still run one after another, each fed the token the one before gave,
+        before the generation ends or must open its sessions again: one a token it may still take, and
+        on a short RoPE table none fed past the switch (a stop token ends it sooner). After the last of
+        them, `done` or `past_switch` holds."""
+        left = self.max_tokens - len(self.tokens)
+        if self.switch and self.long_from is None:
+            left = min(left, self.switch - len(self.ids) - len(self.tokens) + 1)
+        return max(0, left)
+
     def propose(self) -> list[int]:
         """Drafts for the step after the last accepted token ([] for plain decoding)."""
         if self.drafts is None or not self.tokens:

@@ -55,9 +55,18 @@ class SchedulerStats:
     sessions: int = 0  # summed over passes: sessions / passes is the mean batch size
     largest: int = 0  # most sessions in one pass
     refused: int = 0  # work refused because the queue was full
+    run_passes: int = 0  # of the passes, steps of decode runs (one session's steps back to back: ShardService)
+
+    def count(self, rows: int, sessions: int) -> None:
+        """One pass of `rows` rows for `sessions` sessions."""
+        self.passes += 1
+        self.rows += rows
+        self.sessions += sessions
+        self.largest = max(self.largest, sessions)
 
     def as_dict(self) -> dict:
         return {"passes": self.passes, "rows": self.rows, "largest_batch": self.largest, "refused": self.refused,
+                "run_passes": self.run_passes,
                 "mean_batch": round(self.sessions / self.passes, 2) if self.passes else None}
 
 
@@ -107,10 +116,7 @@ class Scheduler:
             self._running.add(w.key)
         self.queued -= len(batch)
         if batch:
-            self.stats.passes += 1
-            self.stats.rows += sum(w.rows for w in batch)
-            self.stats.sessions += len(batch)
-            self.stats.largest = max(self.stats.largest, len(batch))
+            self.stats.count(sum(w.rows for w in batch), len(batch))
         return batch
 
     def update_from_output(self, batch: list[Work], outputs: list[Any]) -> list[Work]:

@@ -50,6 +50,10 @@ class ComputeExecutor:
     def stop(self) -> None:
         self._jobs.put(_STOP)
 
+    def waiting(self) -> bool:
+        """Whether a job waits for the thread (safe from any thread)."""
+        return not self._jobs.empty()
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the compute thread and return its result (or raise its error).
 
