@@ -7,7 +7,7 @@ import torch
 
 from meshd.entry.drafts import PAUSE_MIN, DraftLength, Drafts, PromptLookup, StepCosts
 from meshd.entry.state import Generation
-from meshd.shard.sampler import Sampler, SamplingParams
+from meshd.shard.sampler import Sampler, SamplingParams, first_max
 
 # chi-square critical values at p = 0.001 (df: value), from the standard table
 CHI2_999 = {3: 16.266, 4: 18.467, 5: 20.515}
@@ -100,6 +100,23 @@ def test_greedy_verification_accepts_the_prefix_that_equals_the_argmax():
         s.verify(logits, [3], 10)
     with pytest.raises(ValueError):
         s.verify(logits[:2], [99], 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_the_first_largest_logit_as_torch_argmax_does(dtype):
+    """`first_max` (numpy's argmax, 20x faster on a vocabulary) against torch.argmax: ties, NaNs,
+    infinities, bfloat16 (whose equal values stay equal once widened)."""
+    gen = torch.Generator().manual_seed(3)
+    for i in range(300):
+        x = torch.randn(4096, generator=gen).to(dtype)
+        if i % 3 == 0:
+            x[torch.randint(0, 4096, (4,), generator=gen)] = x.max()  # ties: the first one wins
+        if i % 5 == 0:
+            x[torch.randint(0, 4096, (2,), generator=gen)] = float("inf")
+        if i % 7 == 0:
+            x[torch.randint(0, 4096, (1,), generator=gen)] = float("nan")  # counts as the largest
+        assert first_max(x) == int(torch.argmax(x)), i
+        assert first_max(x.reshape(4, 1024)) == int(torch.argmax(x.reshape(4, 1024)))
 
 
 @pytest.mark.parametrize("params,draft", [(SamplingParams(temperature=1.0, seed=5), 1),

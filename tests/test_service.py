@@ -284,10 +284,10 @@ def test_a_decode_run_gives_way_to_other_work_and_to_a_caller_that_leaves(artifa
                         nursery.start_soon(b_frame)
         # b's frame came after step 0 (before step 1 began, or while it ran): its pass came next
         assert len(ran) in (1, 2) and isinstance(other[0], Token)
-        # a caller that leaves ends the run within a step (20 ms steps here); the session goes on from
+        # a caller that leaves ends the run within a step (50 ms steps here); the session goes on from
         # the token it took (a frame at an earlier position truncates the KV)
         before, taken = service.stats.steps, []
-        slow = partial(frame_of, offset=len(ran), hold=lambda i: time.sleep(0.02))
+        slow = partial(frame_of, offset=len(ran), hold=lambda i: time.sleep(0.05))
         async with service.decode_run(slow, ran[-1], 1000, frozenset()) as replies:
             async for out, _ in replies:
                 taken.append(out[0].token_id)

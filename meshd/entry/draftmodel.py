@@ -25,6 +25,7 @@ from meshd.node.log import get_logger
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard
+from meshd.shard.sampler import first_max
 
 log = get_logger(__name__)
 DRAFT_KV_BUDGET = 256 << 20  # bytes of KV for all of an entry's draft sessions together
@@ -118,7 +119,7 @@ class DraftSession:
                 self.catch_up_s = time.perf_counter() - t0  # tokens of plain steps (a one-off, not a draft's cost)
             out: list[int] = []
             while True:
-                token = int(torch.argmax(logits))
+                token = first_max(logits)
                 if token >= self.model.vocab:  # padding rows of the draft's LM head: no token of the model
                     break
                 out.append(token)

@@ -38,6 +38,13 @@ def _seed(seed: int, position: int, purpose: str = "") -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def first_max(values: torch.Tensor) -> int:
+    """The index of the first largest value (a NaN counts as largest), as `torch.argmax` gives it: numpy's
+    argmax is the same rule and took 3 us over SmolLM2's 49152 logits where torch's took 64 (bfloat16 and
+    float16 widen to float32 exactly, so the order and the ties stay)."""
+    return int(values.detach().float().numpy().argmax())
+
+
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -65,7 +72,7 @@ class Sampler:
         """Token id (for `position`) and its log-probability under the (tempered, filtered) distribution."""
         logprobs = self.logprobs(logits)
         if self.params.temperature == 0:
-            token = int(torch.argmax(logprobs))
+            token = first_max(logprobs)
             return token, float(logprobs[token])
         self.generator.manual_seed(_seed(self.params.seed, position))
         token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
@@ -89,7 +96,7 @@ class Sampler:
         if not 0 <= draft < logprobs.numel():
             raise ValueError(f"draft token {draft} is not in the vocabulary of {logprobs.numel()}")
         if self.params.temperature == 0:
-            token = int(torch.argmax(logprobs))
+            token = first_max(logprobs)
             return None if token == draft else (token, float(logprobs[token]))
         probs = logprobs.exp()
         self.generator.manual_seed(_seed(self.params.seed, position, ":accept"))
