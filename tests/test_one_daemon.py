@@ -88,6 +88,8 @@ def test_concurrent_generations_on_one_daemon_equal_their_solo_text(daemon):
     assert together == solo and most == 2
 
 def test_a_client_that_leaves_mid_run_leaves_no_kv(daemon):
+    """The run ends with its client (not at its 2000 tokens), and the daemon serves on."""
+    before = daemon.status()["batches"]["run_passes"]
     proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(daemon.socket), "generate",
                              "--max-tokens", "2000", "--ignore-eos", "Tell me a long story."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -101,4 +103,5 @@ def test_a_client_that_leaves_mid_run_leaves_no_kv(daemon):
             break
         time.sleep(0.2)
     assert (st["sessions"], st["kv_bytes"], st["state"]) == (0, 0, "serving")
+    assert st["batches"]["run_passes"] - before < 1000
     assert generate(daemon, PROMPTS[0])[0] == local(PROMPTS[0])  # and serves on as before

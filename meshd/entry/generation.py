@@ -224,13 +224,13 @@ class Entry:
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             if not drafts and (req.temperature == 0 or gen.drafts is None) and gen.check is None and at.alone_here():
                 tokens = await self._run_here(at, req, gen, text, taken, position, emit)
-                continue
+                continue  # its tokens are taken already (but one, if it ran no step)
             # the next step is under way (submitted to this daemon's pass) before the client is
             # sent these tokens' text: writing to the client does not delay every pass here
             async with trio.open_nursery() as overlap:
                 overlap.start_soon(self.emit_tokens, req, gen, text, taken, emit)
                 reply = await at.advance(len(gen.tokens), Phase.VERIFY if drafts else Phase.DECODE, position,
-                                         [taken[-1], *drafts])
+                                         [gen.tokens[-1], *drafts])
             if pays and gen.drafts is not None:
                 gen.drafts.observe(1 + len(drafts), time.perf_counter() - began)
             if drafts:
@@ -240,22 +240,23 @@ class Entry:
     async def _run_here(self, at: Attempt, req, gen: Generation, text, taken: list[int], position: int,
                         emit) -> list[int]:
         """Plain decode steps back to back on this daemon's compute thread (`Attempt.run_here`): the route
-        is this daemon's layers alone, and no other session shares them. Each token's text goes to the
-        client while the next step computes. The last token comes back unaccepted, as a step's does, for
-        `_decode` to take. Only where the text cannot depend on it: greedy, or sampled without drafts (a
-        run ends when other work comes, and a sampled generation's drafts would change its text)."""
+        is this daemon's layers alone, and no other session shares them. Each token is taken and its
+        text sent as it comes, while the next step computes; the run ends where the generation must
+        (`Generation.plain_steps_left`, a stop token) or sooner, and `_decode` goes on from the last
+        token taken. Only where the text cannot depend on it: greedy, or sampled without drafts (a run
+        ends when other work comes, and a sampled generation's drafts would change its text). Returns
+        the token of one ordinary step, not yet taken, where other work came before the run's first."""
         await self.emit_tokens(req, gen, text, taken, emit)
-        last = None
-        async with at.run_here(len(gen.tokens), position, taken[-1], gen.plain_steps_left(), gen.stop) as tokens:
+        ran = False
+        async with at.run_here(len(gen.tokens), position, gen.tokens[-1], gen.plain_steps_left(), gen.stop) as tokens:
             async for token in tokens:
-                if last is not None:
-                    gen.accept(last)  # never the last one: the run stops where the generation must
-                    await self.emit_token(req, gen, text, last, emit)
-                last = token
-        if last is None:  # other work took the compute thread first: one ordinary step
-            reply = await at.advance(len(gen.tokens), Phase.DECODE, position, [taken[-1]])
-            return [reply.token_id]
-        return [last]
+                ran = True
+                gen.accept(token)
+                await self.emit_token(req, gen, text, token, emit)
+        if ran:
+            return []
+        reply = await at.advance(len(gen.tokens), Phase.DECODE, position, [gen.tokens[-1]])
+        return [reply.token_id]
 
     async def emit_tokens(self, req, gen: Generation, text, tokens: list[int], emit) -> None:
         """The tokens' text, in order, all of it (they count as generated: see `emit_token`)."""

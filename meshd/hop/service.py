@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 RUN_STEP = Work(key=None, rows=1, decode=True)  # how a step of a decode run counts in the pass stats
+RUN_AHEAD = 4  # steps a decode run computes past the last one its caller read (its client's text)
 
 
 class ShardService:
@@ -195,35 +196,41 @@ class ShardService:
 
     @asynccontextmanager
     async def decode_run(self, frame_of: Callable[[int, int], Forward], token: int, steps: int,
-                         stop: frozenset[int]) -> AsyncIterator[trio.MemoryReceiveChannel]:
+                         stop: frozenset[int]) -> AsyncIterator[AsyncIterator[tuple[list[Message], float]]]:
         """Up to `steps` decode steps of one session run back to back on the compute thread, step i
         being `frame_of(i, token)` fed the token step i - 1 sampled (step 0 `token`): each step's replies
-        and seconds arrive on the channel yielded as they come. For an entry whose route is its own
-        layers, with no other session here: a step then needs no trip through the event loop (two
-        thread hand-offs and the entry's Python between passes cost ~0.4 ms of a 3.6 ms SmolLM2 step).
-        The run ends after a stop token, an Error, when the caller leaves, or before a step when any
-        other job waits for the compute thread (another session's pass, a message): it runs next,
-        and the caller goes on with ordinary steps. The channel ends with the run."""
+        and seconds, as they come. For an entry whose route is its own layers, with no other session
+        here: a step then needs no trip through the event loop (two thread hand-offs and the entry's
+        Python between passes cost ~0.4 ms of a 3.6 ms SmolLM2 step). The run ends after a stop token,
+        an Error, when the caller leaves, when its caller has RUN_AHEAD steps unread (a slow client
+        slows the generation, as between ordinary steps), or before a step when any other job waits for
+        the compute thread (another session's pass, a message): that runs next, and the caller goes on
+        with ordinary steps. The replies end with the run."""
         send, receive = trio.open_memory_channel(math.inf)
         halt = False
+        posted = taken = 0  # steps handed over (written by the compute thread only) and read (by the caller only)
         trio_token = trio.lowlevel.current_trio_token()
+        first = frame_of(0, token)
+        self.due.arrived((first.session_id, first.epoch))  # its frames come this way, not through `submit`
 
         def arrived(item: tuple[list[Message], float]) -> None:  # on the event loop, in step order
-            self.stats.account(item[1], [RUN_STEP])
-            self.scheduler.stats.count(1, 1)
-            self.scheduler.stats.run_passes += 1
             try:
+                self.stats.account(item[1], [RUN_STEP])
+                self.scheduler.stats.count(1, 1)
+                self.scheduler.stats.run_passes += 1
                 send.send_nowait(item)
             except (trio.BrokenResourceError, trio.ClosedResourceError):  # its caller left: nobody reads
                 pass
+            except Exception:  # a callback's error would end the event loop (a metrics hook's bug, say)
+                log.exception("a decode run's step could not be handed over")
 
         def run() -> None:  # on the compute thread
-            fed = token
+            nonlocal posted
+            frame = first
             for i in range(steps):
-                if halt or self.compute.waiting():
+                if halt or self.compute.waiting() or posted - taken >= RUN_AHEAD:
                     return
                 t0 = time.perf_counter()
-                frame = frame_of(i, fed)
                 try:
                     replies = self.endpoint.forward_batch([frame])[0]
                 except Exception as exc:  # a bug in one pass must not take the daemon down
@@ -234,18 +241,25 @@ class ShardService:
                     trio_token.run_sync_soon(arrived, (replies, time.perf_counter() - t0))
                 except trio.RunFinishedError:  # the daemon is stopping
                     return
+                posted += 1
                 if not replies or not isinstance(replies[0], Token) or replies[0].token_id in stop:
                     return
-                fed = replies[0].token_id
+                frame = frame_of(i + 1, replies[0].token_id)
 
         async def drive() -> None:
             async with send:  # `arrived` calls were queued before the job's own answer: all are in
                 await self.compute.run(run)
 
+        async def replies() -> AsyncIterator[tuple[list[Message], float]]:
+            nonlocal taken
+            async for item in receive:
+                taken += 1
+                yield item
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(drive)
             try:
-                yield receive
+                yield replies()
             finally:
                 halt = True
 
