@@ -309,23 +309,23 @@ def test_a_decode_run_gives_way_to_other_work_and_to_a_caller_that_leaves(artifa
     assert tokens == solo[:len(tokens)]
 
 
+async def run_replies(service, sid: bytes, prompt: list[int], steps: int, max_length=64, read_s=0.0) -> list:
+    """Open `sid`, prefill, then a decode run of up to `steps`: each step's first reply, read every `read_s`."""
+    await service.handle(open_msg(sid, max_length=max_length))
+    (first,) = await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, prompt))
+    got = []
+    frame_of = lambda i, fed: token_frame(sid, 0, i + 1, Phase.DECODE, len(prompt) + i, [fed])  # noqa: E731
+    async with service.decode_run(frame_of, first.token_id, steps, frozenset()) as replies:
+        async for out, _ in replies:
+            got.append(out[0])
+            await trio.sleep(read_s)
+    return got
+
+
 def test_a_decode_run_ends_on_an_error_its_step_answers(artifact, compute, unhurried):
     """Past the length the session was opened for, a step answers an Error: the run's last reply."""
     service = service_for(artifact, compute)
-    prompt = PROMPTS[1]
-
-    async def main():
-        sid = b"e" * 16
-        await service.handle(open_msg(sid, max_length=16))
-        (first,) = await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, prompt))
-        got = []
-        frame_of = lambda i, fed: token_frame(sid, 0, i + 1, Phase.DECODE, len(prompt) + i, [fed])  # noqa: E731
-        async with service.decode_run(frame_of, first.token_id, 1000, frozenset()) as replies:
-            async for out, _ in replies:
-                got.append(out[0])
-        return got
-
-    got = trio.run(main)
+    got = trio.run(partial(run_replies, service, b"e" * 16, PROMPTS[1], 1000, max_length=16))
     assert all(isinstance(t, Token) for t in got[:-1]) and len(got) == 16 - len(PROMPTS[1]) + 1
     assert isinstance(got[-1], Error) and "max length" in got[-1].message
 
@@ -334,19 +334,5 @@ def test_a_decode_run_stops_a_few_steps_ahead_of_a_slow_caller(artifact, compute
     """As between ordinary steps, a caller slow to read (its client's text) slows the generation: the
     run stops once RUN_AHEAD steps wait unread, and the caller goes on with ordinary steps or a new run."""
     service = service_for(artifact, compute)
-    prompt = PROMPTS[1]
-
-    async def main():
-        sid = b"w" * 16
-        await service.handle(open_msg(sid))
-        (first,) = await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, prompt))
-        got = []
-        frame_of = lambda i, fed: token_frame(sid, 0, i + 1, Phase.DECODE, len(prompt) + i, [fed])  # noqa: E731
-        async with service.decode_run(frame_of, first.token_id, 40, frozenset()) as replies:
-            async for out, _ in replies:
-                got.append(out[0])
-                await trio.sleep(0.2)  # a slow client
-        return got
-
-    got = trio.run(main)
+    got = trio.run(partial(run_replies, service, b"w" * 16, PROMPTS[1], 40, read_s=0.2))
     assert RUN_AHEAD <= len(got) <= RUN_AHEAD + 1 and all(isinstance(t, Token) for t in got)
