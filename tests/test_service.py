@@ -1,6 +1,7 @@
 """A shard's service under concurrent sessions: their frames share passes, each gets its solo answer,
 and past its bounds it answers `busy` at once."""
 
+import threading
 import time
 from functools import partial
 
@@ -336,3 +337,22 @@ def test_a_decode_run_stops_a_few_steps_ahead_of_a_slow_caller(artifact, compute
     service = service_for(artifact, compute)
     got = trio.run(partial(run_replies, service, b"w" * 16, PROMPTS[1], 40, read_s=0.2))
     assert RUN_AHEAD <= len(got) <= RUN_AHEAD + 1 and all(isinstance(t, Token) for t in got)
+
+
+def test_compute_busy_time_grows_while_a_long_job_runs():
+    """A decode run is one job of many steps: status's compute_busy_s counts it as it goes."""
+    executor = ComputeExecutor().start_thread()
+    release = threading.Event()
+    try:
+        async def main():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(executor.run, release.wait, 10)
+                await trio.sleep(0.2)
+                during = executor.busy_s  # the job still runs: it waits for `release`
+                release.set()
+            return during, executor.busy_s
+
+        during, after = trio.run(main)
+        assert 0.15 < during <= after < 10
+    finally:
+        executor.stop()

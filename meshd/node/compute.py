@@ -23,7 +23,9 @@ _STOP = object()
 class ComputeExecutor:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.busy_s = 0.0  # seconds spent running jobs
+        # seconds spent in jobs that ended, and when the job running now began (None: none runs); one
+        # tuple, so a reader on another thread sees both of the same moment
+        self._busy: tuple[float, float | None] = (0.0, None)
         self._thread: threading.Thread | None = None
 
     def serve(self, poll_s: float = 0.2) -> None:
@@ -36,9 +38,10 @@ class ComputeExecutor:
             if job is _STOP:
                 return
             fn, deliver = job
-            t0 = time.perf_counter()
+            done, t0 = self._busy[0], time.perf_counter()
+            self._busy = (done, t0)
             result = outcome.capture(fn)
-            self.busy_s += time.perf_counter() - t0
+            self._busy = (done + time.perf_counter() - t0, None)
             deliver(result)
 
     def start_thread(self, name: str = "meshd-compute") -> "ComputeExecutor":
@@ -49,6 +52,13 @@ class ComputeExecutor:
 
     def stop(self) -> None:
         self._jobs.put(_STOP)
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent running jobs, the one running now included (a decode run is one job of many
+        steps: the figure grows while it runs, not only when it ends)."""
+        done, since = self._busy
+        return done + (time.perf_counter() - since if since is not None else 0.0)
 
     def waiting(self) -> bool:
         """Whether a job waits for the thread (safe from any thread)."""
