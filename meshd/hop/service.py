@@ -154,12 +154,7 @@ class ShardService:
             if not batch:
                 return
             t0 = time.perf_counter()
-            try:
-                outputs = await self.compute.run(self.endpoint.forward_batch, [w.payload for w in batch])
-            except Exception as exc:  # a bug in one pass must not take the daemon down
-                log.exception("shard pass failed", sessions=len(batch))
-                outputs = [[Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
-                                  session_id=w.payload.session_id)] for w in batch]
+            outputs = await self.compute.run(self._pass, [w.payload for w in batch])
             self.scheduler.update_from_output(batch, outputs)
             done, batch = batch, []
             self.stats.account(time.perf_counter() - t0, done)
@@ -177,6 +172,16 @@ class ShardService:
             woken.set()
         if hops:  # the next pass may start meanwhile: its outputs queue behind these
             await self.outputs.flush(hops)
+
+    def _pass(self, frames: list[Forward]) -> list[list[Message]]:
+        """One forward pass of these frames (on the compute thread): each frame's replies, or, where the
+        pass itself failed, an `internal` Error for each (a bug in one pass must not take the daemon down)."""
+        try:
+            return self.endpoint.forward_batch(frames)
+        except Exception as exc:
+            log.exception("shard pass failed", sessions=len(frames))
+            return [[Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
+                           session_id=f.session_id)] for f in frames]
 
     def expect(self, key: tuple[bytes, int], group: tuple = (), size: int = 0) -> None:
         """Say that a session's next frame is on its way (its entry just got the token it answers),
@@ -231,12 +236,7 @@ class ShardService:
                 if halt or self.compute.waiting() or posted - taken >= RUN_AHEAD:
                     return
                 t0 = time.perf_counter()
-                try:
-                    replies = self.endpoint.forward_batch([frame])[0]
-                except Exception as exc:  # a bug in one pass must not take the daemon down
-                    log.exception("shard pass failed", sessions=1)
-                    replies = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
-                                     session_id=frame.session_id)]
+                replies = self._pass([frame])[0]
                 try:
                     trio_token.run_sync_soon(arrived, (replies, time.perf_counter() - t0))
                 except trio.RunFinishedError:  # the daemon is stopping
