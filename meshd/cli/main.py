@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " released (default 600)")
     join.add_argument("--session-idle-full", type=float, help="seconds a session may send no frame before a new"
                       " session takes its KV when the daemon is full (default 60)")
+    join.add_argument("--prefix-ttl", type=float, help="seconds the KV of an ended generation is kept unused for"
+                      " a later one that extends its tokens (a chat's next turn); kept KV is the first freed"
+                      " when room is needed; 0: keep none and reuse none (default 600)")
     join.add_argument("--peer-share", type=float, help="share of the sessions, the KV budget and the queue that"
                       " one peer may hold; the rest stays for others (default 0.75)")
     join.add_argument("--swarm-key", help="a private mesh's key file (libp2p's /key/swarm/psk/1.0.0/ format, mode"

@@ -63,6 +63,13 @@ class Attempt:
         self.linked = False  # the entry's own outputs go to the first hop over the service's shared link (set by
         # whoever opened the route: see meshd/entry/opening.py)
         self.last_token: Token | None = None  # the tail's last answer (its sketches, when asked for)
+        self.reused: int | None = None  # prompt positions every session of the route holds already (the least of
+        # what each opened with: see meshd/shard/prefix.py); the prefill starts there
+        self.completed = False  # the generation finished on this route: its hops may keep its KV
+
+    def opened_with(self, reused: int) -> None:
+        """One more session of the route opened holding `reused` positions of the prompt."""
+        self.reused = reused if self.reused is None else min(self.reused, reused)
 
     def add_hop(self, peer: str, channel: Channel, forwards: bool = False) -> None:
         self.hops.append((peer, channel))
@@ -212,8 +219,10 @@ class Attempt:
         async with self.service.decode_run(frame_of, token, steps, stop) as replies:
             yield tokens(replies)
 
-    async def prefill(self, ids) -> int:
-        spans = chunk_spans(len(ids))
+    async def prefill(self, ids, start: int = 0) -> int:
+        """The prompt `ids` through the route from position `start` (its sessions hold the positions
+        before it: kept KV), in chunks; the token after it."""
+        spans = [(a + start, b + start) for a, b in chunk_spans(len(ids) - start)]
         token = None
         for ci, (a, b) in enumerate(spans):
             token = await self.step(0, Phase.PREFILL, a, ids[a:b], (ci, len(spans)))

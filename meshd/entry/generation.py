@@ -26,6 +26,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from meshd.entry.affinity import Affinity
 from meshd.entry.attempt import Attempt
 from meshd.entry.checked import run_checked, settle_disagreement
 from meshd.entry.checks import Check, Exclusions, chosen
@@ -53,7 +54,7 @@ class Entry:
     def __init__(self, service, tokenizer, config, model_fp: str, recipe_fp: str, mesh, open_stream, *,
                  end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True, microbatches: int = 2,
                  speculate: bool = True, draft_max: int = DRAFT_MAX, draft_model=None, ledger=None,
-                 verify_rate: float = 0.0, exclusions: Exclusions | None = None) -> None:
+                 verify_rate: float = 0.0, exclusions: Exclusions | None = None, prefix_ttl_s: float = 0.0) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.mesh, self.end = mesh, end
         self.busy_wait_s = busy_wait_s
@@ -68,7 +69,8 @@ class Entry:
         self.checked = self.disagreed = 0  # generations checked on two routes, and of those, disagreements
         self.routes = Routes(service, mesh, open_stream, end=end, model_fp=model_fp, recipe_fp=recipe_fp,
                              forwarding=forwarding, microbatches=microbatches, microbatch_use=self.microbatch_use,
-                             exclusions=self.exclusions)  # plans and opens this range's routes
+                             exclusions=self.exclusions,  # plans and opens this range's routes
+                             affinity=Affinity(prefix_ttl_s) if prefix_ttl_s > 0 else None)
 
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
@@ -88,6 +90,7 @@ class Entry:
         rate = self.verify_rate if req.temperature == 0 or drafts is None else 0.0
         if chosen(rate, req.verify):
             gen.check = Check()
+            gen.reuse = False  # a checked generation computes its whole prompt on both routes
         else:
             gen.drafts = drafts
         return gen, sampling
@@ -183,11 +186,12 @@ class Entry:
                       route: Route | None = None) -> None:
         """One try at the generation over `route` (else one planned around the failed and busy hops),
         its text emitted as it comes."""
-        route = self.plan(retries.failed, retries.busy) if route is None else route
+        route = self.routes.plan(retries.failed, retries.busy, gen=gen) if route is None else route
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
         async with self.routes.open_route(route, retries.epoch, req, gen, sampling) as at:
             token = await self.first_token(at, gen)
             await self._decode(at, req, gen, text, [token], emit)
+            at.completed = True
 
     @staticmethod
     async def first_token(at: Attempt, gen: Generation, extra=()) -> int:
@@ -195,7 +199,7 @@ class Entry:
         before it took over), then (after a reroute) the tokens so far: the token after them (`extra`
         tensors go with the last replayed frame: a sketch request)."""
         prefill, fed_back = gen.prefill_ids, gen.fed_back
-        token = await at.prefill(prefill)
+        token = await at.prefill(prefill, gen.reused)  # from what every session of the route holds already
         if fed_back:  # a replay after rerouting feeds back what was generated
             token = await at.replay(fed_back, len(prefill), extra)
         return token

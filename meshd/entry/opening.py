@@ -18,14 +18,16 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from meshd.entry.affinity import Affinity
 from meshd.entry.attempt import Attempt, LinkErrors
 from meshd.entry.checks import Exclusions
 from meshd.entry.errors import GenerationError, HopFailed, hop_error
 from meshd.entry.microbatch import Microbatches
-from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around
+from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around, route_along
 from meshd.entry.state import Generation, open_session
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
+from meshd.shard import prefix
 from meshd.wire import Close, Error, ErrorCode, Opened, WireError
 from meshd.wire.protocols import SHARD_PROTOCOL
 
@@ -39,20 +41,35 @@ class Routes:
     hop. `microbatch_use` and `exclusions` belong to the caller, who reads them too."""
 
     def __init__(self, service, mesh, open_stream, *, end: int, model_fp: str, recipe_fp: str, forwarding: bool,
-                 microbatches: int, microbatch_use: Microbatches, exclusions: Exclusions) -> None:
+                 microbatches: int, microbatch_use: Microbatches, exclusions: Exclusions,
+                 affinity: Affinity | None = None) -> None:
         self.service, self.mesh, self.open_stream, self.end = service, mesh, open_stream, end
         self.model_fp, self.recipe_fp = model_fp, recipe_fp
+        self.affinity = affinity  # which route holds which prefix's KV (None: no prefix reuse)
         self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
         self.microbatches = microbatches  # spread generations over so many, at most one per daemon on the route
         # (0: exactly one per daemon on the route)
         self.microbatch_use, self.exclusions = microbatch_use, exclusions
 
-    def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset()) -> Route:
+    def root(self, gen: Generation) -> bytes:
+        """Where the hash chains of a generation's tokens start (`meshd/shard/prefix.py`)."""
+        return prefix.root(self.model_fp, self.recipe_fp, gen.rope_table)
+
+    def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset(), gen: Generation | None = None
+             ) -> Route:
         """A route from this entry's layers on, around the hops that failed, those that are full and
-        those excluded after a check; through peers in `avoid` only where no other serves the layers."""
+        those excluded after a check; through peers in `avoid` only where no other serves the layers.
+        With `gen`, the route that kept the KV of the longest prefix of its prompt, where one did and
+        all its hops may still be used (affinity: only the new tokens are computed)."""
         coverage = self.mesh.coverage.serving()
         links = link_latency(coverage.records, dict(self.mesh.latency))
         excluded = self.exclusions.active(time.monotonic())
+        if gen is not None and self.affinity is not None and not avoid:
+            spans, tokens = self.affinity.route_for(gen.prefix_asked(self.root(gen)))
+            kept = route_along(coverage, self.end, spans, links, set(failed) | set(busy) | excluded) if spans else None
+            if kept is not None:
+                log.info("routing to the hops that kept this prompt's prefix", tokens=tokens, hops=len(kept.hops))
+                return kept
         try:
             route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
                                          avoid)
@@ -73,15 +90,20 @@ class Routes:
                      generated=len(gen.tokens))
         sid = os.urandom(16)
         at = Attempt(self.service, gen, sid, epoch)
+        reuse = self.affinity is not None and gen.reuse
+        asked = prefix.pack(gen.prefix_asked(self.root(gen))) if reuse else b""
         daemons = len(route.hops) + 1
         microbatch = self.microbatch_use.take(min(self.microbatches, daemons) if self.microbatches else daemons)
         try:
             async with trio.open_nursery() as nursery:
-                await self._open_local(sid, epoch, req, gen, sampling, microbatch)
+                at.opened_with(await self._open_local(sid, epoch, req, gen, sampling, microbatch, asked))
                 for i, hop in enumerate(route.hops):
                     nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
-                    at.add_hop(hop.peer_id, *await self._open_hop(hop, sid, epoch, req, gen, sampling, nxt,
-                                                                  microbatch))
+                    channel, forwards, reused = await self._open_hop(hop, sid, epoch, req, gen, sampling, nxt,
+                                                                     microbatch, asked)
+                    at.add_hop(hop.peer_id, channel, forwards)
+                    at.opened_with(reused)
+                gen.reused = min(at.reused or 0, max(0, len(gen.prefill_ids) - 1))
                 if at.hops and self.forwarding:
                     at.linked = await self._link_first_hop(at, route.hops[0])
                 for i, (peer, channel) in enumerate(at.hops):
@@ -93,36 +115,46 @@ class Routes:
                 nursery.cancel_scope.cancel()
         finally:
             self.microbatch_use.give(microbatch)
+            # a route that finished its generation keeps the KV of its tokens on every hop, for a later
+            # generation that extends them (a chat's next turn); any other end frees it
+            held = gen.prefix_held(self.root(gen)) if reuse and at.completed and gen.done else []
+            if held:
+                self.affinity.remember(held, route.describe())
             with trio.CancelScope(shield=True):
-                await self.service.release((sid, epoch))
+                await self.service.release((sid, epoch), held)
                 with trio.move_on_after(2.0):
                     for _, channel in at.hops:
                         try:
-                            await channel.send(Close(session_id=sid, epoch=epoch))
+                            await channel.send(Close(session_id=sid, epoch=epoch, keep=prefix.pack(held)))
                         except ChannelClosed:
                             pass
                         await channel.aclose()
 
-    def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0):
+    def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0, asked=b""):
         forward = nxt is not None and self.forwarding
         return open_session(req.request_id, sid, epoch, start, end, self.model_fp, self.recipe_fp, gen.max_length,
                             sampling, next_peer=nxt.peer_id if forward else "",
                             next_addrs=" ".join(nxt.addrs) if forward else "", microbatch=microbatch,
-                            rope_table=gen.rope_table)
+                            rope_table=gen.rope_table, prefix_chain=asked)
 
-    async def _open_local(self, sid, epoch, req, gen, sampling, microbatch=0) -> None:
+    async def _open_local(self, sid, epoch, req, gen, sampling, microbatch=0, asked=b"") -> int:
+        """The session on this daemon's own layers: the prompt positions it holds already."""
         reply = await self.service.handle(self._open_msg(sid, epoch, 0, self.end, req, gen, sampling,
-                                                         microbatch=microbatch))
+                                                         microbatch=microbatch, asked=asked))
         if not isinstance(reply[0], Opened):
             raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
+        return reply[0].reused
 
-    async def _open_hop(self, hop, sid, epoch, req, gen, sampling, nxt=None, microbatch=0) -> tuple[Channel, bool]:
-        """A session on a hop: its stream, and whether the hop sends its output on to `nxt` itself."""
+    async def _open_hop(self, hop, sid, epoch, req, gen, sampling, nxt=None, microbatch=0, asked=b""
+                        ) -> tuple[Channel, bool, int]:
+        """A session on a hop: its stream, whether the hop sends its output on to `nxt` itself, and the
+        prompt positions it holds already."""
         try:
             with trio.fail_after(OPEN_TIMEOUT):
                 stream = await self.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
                 channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch))
+                await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch,
+                                                  asked))
                 reply = await channel.receive(OPEN_TIMEOUT)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
             raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
@@ -132,7 +164,7 @@ class Routes:
             raise hop_error(hop.peer_id, reply)
         if not isinstance(reply, Opened):
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
-        return channel, reply.forwarding and nxt is not None
+        return channel, reply.forwarding and nxt is not None, reply.reused
 
     async def _link_first_hop(self, at: Attempt, hop: Hop) -> bool:
         """Whether the entry's own outputs go to the first hop the way hops send theirs: with those of

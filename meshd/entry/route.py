@@ -106,6 +106,24 @@ def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] |
     return Route(path, cost)
 
 
+def route_along(coverage: CoverageMap, start: int, spans, latency: Callable[[str], float],
+                exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
+    """The route through the hops `spans` names ([peer, start, end] each, as `Route.describe` gives),
+    priced as `plan_route` prices it, if every one is still a serving record's range (entered anywhere,
+    left at its end) and they chain from `start` to the last layer; else None."""
+    by_peer = {r.peer_id: r for r in coverage.records if r.peer_id not in exclude}
+    hops, cost, at = [], 0.0, start
+    for peer, a, b in spans:
+        r = by_peer.get(peer)
+        if r is None or a != at or not r.start <= a < r.end or b != r.end:
+            return None
+        rate = r.throughput if r.throughput > 0 else DEFAULT_THROUGHPUT
+        cost += (b - a) / rate + latency(peer)
+        hops.append(Hop(peer, r.dial_addrs, a, b))
+        at = b
+    return Route(tuple(hops), cost) if at == coverage.n_layers else None
+
+
 def _better(a, b) -> bool:
     key = lambda c: (round(c[0], 9), c[1], [h.peer_id for h in c[2]])  # noqa: E731
     return key(a) < key(b)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from meshd.entry.checks import Check
 from meshd.entry.drafts import Drafts
 from meshd.entry.errors import GenerationError
-from meshd.shard import rope
+from meshd.shard import prefix, rope
 from meshd.shard.sampler import SamplingParams
 from meshd.wire import ErrorCode, OpenSession
 
@@ -53,6 +53,8 @@ class Generation:
     check: Check | None = None  # a checked generation's account (None: not chosen for checking)
     switch: int = 0  # longrope: a longer sequence runs on the long RoPE table from position 0 (0: one table)
     long_from: int | None = None  # tokens generated when the long table took over (None: not yet; 0: the prompt)
+    reuse: bool = True  # its routes may start from KV hops kept of the same tokens (meshd/shard/prefix.py)
+    reused: int = 0  # prompt positions the last route started with, kept from an earlier generation
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset(),
@@ -101,6 +103,16 @@ class Generation:
     def fed_back(self) -> list[int]:
         """The tokens a new route replays after the prefill, as the decode steps they first were."""
         return self.tokens[self.long_from or 0:]
+
+    def prefix_asked(self, root: bytes) -> list[bytes]:
+        """The chain of the tokens a route's sessions may start from, kept: the prefill but its last token
+        (the tail must compute a position to sample from). Empty when reuse is off."""
+        return prefix.chain(self.prefill_ids[:-1], root) if self.reuse else []
+
+    def prefix_held(self, root: bytes) -> list[bytes]:
+        """The chain of the tokens a route that computed this whole generation holds KV of: the prompt and
+        every generated token but the last (sampled, never fed). Drafts the tail rejected are not in it."""
+        return prefix.chain((self.ids + self.tokens)[:-1], root) if self.reuse else []
 
     def begin_attempt(self, route: list) -> None:
         """A new route for this generation (the first, or one after a reroute)."""
@@ -154,6 +166,7 @@ class Generation:
         n = len(self.tokens)
         first = self.first_token_at or end
         return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
+                "cached_tokens": self.reused,
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
                 "drafted": self.drafted, "accepted": self.accepted_drafts,
                 **(self.check.stats() if self.check is not None else {"checked": False, "verified": False}),
@@ -163,10 +176,11 @@ class Generation:
 
 def open_session(request_id: int, session_id: bytes, epoch: int, start: int, end: int, model_fp: str,
                  recipe_fp: str, max_length: int, sampling: SamplingParams, next_peer: str = "",
-                 next_addrs: str = "", microbatch: int = 0, rope_table: int = rope.SHORT) -> OpenSession:
+                 next_addrs: str = "", microbatch: int = 0, rope_table: int = rope.SHORT,
+                 prefix_chain: bytes = b"") -> OpenSession:
     """The frame that opens a generation's session on the layers [start, end) of one shard."""
     return OpenSession(request_id=request_id, session_id=session_id, epoch=epoch, start=start, end=end,
                        model_fingerprint=model_fp, recipe_fingerprint=recipe_fp, max_length=max_length,
                        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                        seed=sampling.seed, next_peer=next_peer, next_addrs=next_addrs, microbatch=microbatch,
-                       rope_table=rope_table)
+                       rope_table=rope_table, prefix=prefix_chain)

@@ -17,6 +17,7 @@ import torch
 from meshd.hop import sketch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
 from meshd.hop.sessions import HopSession, SessionTable
+from meshd.shard import prefix
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
 from meshd.shard.batch import PASS, SCORE, STEPS
 from meshd.shard.runtime import Shard
@@ -49,24 +50,34 @@ class ShardEndpoint:
         self.refused = 0  # sessions refused as busy
         self.ledger = None  # the daemon's work ledger: one row per session served for another peer
 
-    def handle(self, msg: Message) -> list[Message]:
+    def handle(self, msg: Message, requester: str = "") -> list[Message]:
+        """Answer one message; `requester` is the peer whose stream it came on ("": this daemon's entry)."""
         try:
             if isinstance(msg, OpenSession):
-                return self._open(msg)
+                return self._open(msg, requester)
             if isinstance(msg, Forward):
                 return self._forward(msg)
-            if isinstance(msg, (Close, Cancel)):
-                self.release((msg.session_id, msg.epoch), "completed" if isinstance(msg, Close) else "cancelled")
+            if isinstance(msg, Close):
+                self.release((msg.session_id, msg.epoch), "completed", prefix.unpack_or_none(msg.keep))
+                return []
+            if isinstance(msg, Cancel):
+                self.release((msg.session_id, msg.epoch), "cancelled")
                 return []
             return [Error(code=ErrorCode.BAD_FRAME, message=f"a shard does not take {type(msg).__name__}")]
         except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:
             return self._failed(msg, exc)
 
-    def release(self, key: tuple[bytes, int], outcome: str = "failed") -> None:
+    def release(self, key: tuple[bytes, int], outcome: str = "failed", keep: list[bytes] = ()) -> int:
         """Let a session go: `completed` when its entry closed it, `cancelled`, or `failed` (its
-        stream was lost, or it sat idle past the KV TTL)."""
-        self._record(self.sessions.pop(key, None), outcome)
+        stream was lost, or it sat idle past the KV TTL). With `keep` (the chain of the tokens its KV
+        holds, `meshd/shard/prefix.py`) its KV is kept for a later session of the same requester that
+        extends those tokens: the positions kept."""
+        session = self.sessions.pop(key, None)
+        self._record(session, outcome)
+        if keep and session is not None:
+            return self.shard.keep(key, session.requester, list(keep))
         self.shard.release(key)
+        return 0
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
         evicted = self.shard.evict_expired()
@@ -117,7 +128,7 @@ class ShardEndpoint:
         return Error(code=code, message=text, retriable=retriable, request_id=getattr(msg, "request_id", 0),
                      session_id=getattr(msg, "session_id", b""))
 
-    def _open(self, msg: OpenSession) -> list[Message]:
+    def _open(self, msg: OpenSession, requester: str = "") -> list[Message]:
         if msg.model_fingerprint != self.model_fp:
             return [self._error(msg, ErrorCode.MODEL_MISMATCH,
                                 f"this shard serves model {self.model_fp[:12]}, not {msg.model_fingerprint[:12]}")]
@@ -127,6 +138,7 @@ class ShardEndpoint:
         if not self.shard.start <= msg.start < msg.end <= self.shard.end:
             return [self._error(msg, ErrorCode.BAD_FRAME, f"this shard serves layers [{self.shard.start},"
                                 f" {self.shard.end}), not [{msg.start}, {msg.end})")]
+        asked = prefix.unpack(msg.prefix)  # a malformed chain refuses the open, before anything is held
         key = (msg.session_id, msg.epoch)
         need = self.kv_need(msg)
         why = self.admit(key, need)
@@ -138,8 +150,9 @@ class ShardEndpoint:
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
         self.shard.open_session(key, msg.max_length, msg.start, msg.end, msg.rope_table)  # a table it lacks: refused
         self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need,
-                                        layers=(msg.start, msg.end), opened_at=time.time())
-        return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch)]
+                                        layers=(msg.start, msg.end), requester=requester, opened_at=time.time())
+        reused = self.shard.reuse(key, requester, asked) if asked else 0
+        return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch, reused=reused)]
 
     def _forward(self, msg: Forward) -> list[Message]:
         return self.forward_batch([msg])[0]

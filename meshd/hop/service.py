@@ -82,12 +82,11 @@ class ShardService:
                           request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
         key = (msg.session_id, msg.epoch)
         stale = self.endpoint.sessions.links(key)  # a reopened session starts afresh
-        replies = await self.handle(msg)
+        replies = await self.compute.run(self.endpoint.handle, msg, getattr(home, "peer", ""))
         await self.outputs.let_go(stale)
         session = self.endpoint.sessions.get(key)
         if not replies or not isinstance(replies[0], Opened) or session is None:
             return replies
-        session.requester = getattr(home, "peer", "")
         return [replace(replies[0], forwarding=await self.outputs.link(key, msg, home))]
 
     async def forward_outputs(self, key: tuple[bytes, int], peer: str, addrs, home) -> None:
@@ -263,12 +262,13 @@ class ShardService:
             finally:
                 halt = True
 
-    async def release(self, key: tuple[bytes, int]) -> None:
-        """Free a session's KV (safe while other sessions compute: it runs in order on the compute thread)."""
+    async def release(self, key: tuple[bytes, int], keep: list[bytes] = ()) -> None:
+        """Free a session's KV, or with `keep` keep it for a later session extending those tokens (see
+        `ShardEndpoint.release`); safe while other sessions compute: it runs in order on the compute thread."""
         self.due.arrived(key)
         self._cancel(key)
         await self.outputs.unlink(key)
-        await self.compute.run(self.endpoint.release, key)
+        await self.compute.run(self.endpoint.release, key, "completed" if keep else "failed", keep)
 
     async def serve_stream(self, stream) -> None:
         """The /meshd/shard/1.0.0 handler: serve a stream's frames until it ends (`meshd/hop/stream.py`)."""

@@ -10,6 +10,7 @@ SIGINT withdraw the record, close sessions and remove the socket before the proc
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -169,7 +170,8 @@ class Daemon:
         """Load the range, take other daemons' sessions and generations, and say so in the record."""
         self.lifecycle.to(State.LOADING)
         self.switch_to(await self.open_range(start, end))
-        nursery.start_soon(evict_loop, self.compute, lambda: self.slot, self.ledger, self.settings.session_idle)
+        nursery.start_soon(evict_loop, self.compute, lambda: self.slot, self.ledger,
+                           min(self.settings.session_idle, self.settings.prefix_ttl or math.inf))
         nursery.start_soon(self.intake.trim_loop)
         if self.rebalancer:
             nursery.start_soon(self.rebalancer.run)
@@ -236,7 +238,7 @@ class Daemon:
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
                                speculate=s.speculate_on, draft_max=s.draft_max, draft_model=self.draft_model,
                                ledger=self.ledger,
-                               verify_rate=s.verify_share, exclusions=self.exclusions)
+                               verify_rate=s.verify_share, exclusions=self.exclusions, prefix_ttl_s=s.prefix_ttl)
         old, self.slot = self.slot, slot
         return old
 

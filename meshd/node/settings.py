@@ -87,6 +87,8 @@ class Settings:
     stream_idle: float = 300.0  # seconds a shard stream may say nothing before it is closed
     session_idle: float = 600.0  # seconds a session may send no frame before its KV is released
     session_idle_full: float = 60.0  # seconds unused after which a session gives its KV to a new one when full
+    prefix_ttl: float = 600.0  # seconds an ended session's KV is kept unused for a generation that extends its
+    # tokens (prefix reuse: meshd/shard/prefix.py); 0: none kept, no prefix reused as an entry either
     peer_share: float = 0.75  # of the sessions, the KV budget and the queue, what one peer may hold
     cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
     ledger_days: float = 30.0  # the work ledger keeps rows this long, then daily totals per peer (0: no ledger)

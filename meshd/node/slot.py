@@ -38,7 +38,8 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
     check_fits(artifact, recipe, start, end, memory=settings.memory)
 
     def load():
-        shard = Shard(artifact, start, end, recipe, kv_budget_bytes=settings.kv_budget, kv_ttl_s=settings.session_idle)
+        shard = Shard(artifact, start, end, recipe, kv_budget_bytes=settings.kv_budget, kv_ttl_s=settings.session_idle,
+                      prefix_ttl_s=settings.prefix_ttl)
         tokenizer = None
         if shard.is_head:
             from meshd.shard.tokenizer import load_tokenizer

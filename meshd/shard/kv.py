@@ -6,6 +6,9 @@ budget, and growth past it evicts expired sessions first, then fails with `KVBud
 A lookup of an unknown or evicted session raises `CacheMiss`, never returns something empty.
 Layers that attend over a sliding window (Gemma 3) keep only what their window and a window of rollback
 need: their KV stays bounded by about three windows plus the pass in flight, however long the session.
+An ended session's KV may be kept (`keep`) and copied into a new session that extends the same tokens
+(`reuse`; `meshd/shard/prefix.py` indexes it): kept bytes count against the budget like any, and are
+the first freed when a live session needs room (least recently used first), or once idle past their TTL.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 from typing import Callable, Hashable
 
 import torch
+
+from meshd.shard.prefix import BLOCK, Kept, PrefixIndex
 
 GROW_STEP = 64
 WINDOW_ROWS = 128  # positions a pass feeds a session at most, as admission assumes (a prefill chunk)
@@ -140,11 +145,13 @@ class KVStore:
     """All sessions' caches of one shard; thread-safe; `used_bytes` never exceeds `budget_bytes`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 budget_bytes: int, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 budget_bytes: int, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 prefix_ttl_s: float = 600.0) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim, self.dtype = n_layers, n_kv_heads, head_dim, dtype
         self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
-        self.used_bytes = 0
+        self.used_bytes = 0  # live sessions' bytes and kept ones'
         self._sessions: dict[Hashable, SessionKV] = {}
+        self.kept = PrefixIndex(prefix_ttl_s, clock)  # ended sessions' KV (0 TTL: none kept)
         self._lock = threading.RLock()
 
     def empty(self, cap: int, n_layers: int | None = None) -> torch.Tensor:
@@ -185,18 +192,90 @@ class KVStore:
             kv = self._sessions.pop(key, None)
             if kv is None:
                 return False
-            self.used_bytes -= kv.nbytes
-            kv.k = kv.v = self.empty(0, kv.n_full)
-            kv.sk = kv.sv = self.empty(0, kv.n_sliding)
+            self._free(kv)
             return True
 
+    def _free(self, kv: SessionKV) -> None:
+        self.used_bytes -= kv.nbytes
+        kv.k = kv.v = self.empty(0, kv.n_full)
+        kv.sk = kv.sv = self.empty(0, kv.n_sliding)
+
+    def keep(self, key: Hashable, scope: Hashable, hashes: list[bytes]) -> int:
+        """End a session, keeping its KV of the tokens `hashes` names (whole blocks of the positions it
+        holds, from 0) for `reuse` in `scope`; the positions kept (0: released, nothing to keep)."""
+        with self._lock:
+            kv = self._sessions.pop(key, None)
+            if kv is None:
+                return 0
+            blocks = min(len(hashes), kv.length // BLOCK)
+            if self.kept.ttl_s <= 0 or (kv.n_sliding and kv.base > 0):
+                blocks = 0  # keeping is off; or the windowed layers dropped early positions a reuse needs
+            kv.commit(blocks * BLOCK)
+            for dropped in self.kept.insert(scope, hashes[:blocks], kv, kv.nbytes):
+                self._free(dropped.value)
+            return blocks * BLOCK
+
+    def reuse(self, key: Hashable, scope: Hashable, hashes: list[bytes], most: int | None = None) -> int:
+        """Fill a new session's cache with the longest kept prefix of `hashes` in `scope` (at most `most`
+        positions, whole blocks); the positions filled (0: none kept, or no room for them)."""
+        with self._lock:
+            dest = self._sessions.get(key)
+            kept, blocks = self.kept.match(scope, hashes)
+            if most is not None:
+                blocks = min(blocks, most // BLOCK)
+            if dest is None or kept is None or blocks == 0 or dest.length:
+                self.kept.stats.misses += dest is not None
+                return 0
+            n = min(blocks * BLOCK, dest.max_length)
+            self.kept.remove(kept)  # held aside while the copy makes room: room is never made of it
+            try:
+                dest.reserve(0, n)
+                src: SessionKV = kept.value
+                for a, b in ((dest.k, src.k), (dest.v, src.v), (dest.sk, src.sk), (dest.sv, src.sv)):
+                    if b.numel():
+                        a[:, :, :, :n] = b[:, :, :, :n]
+                dest.commit(n)
+            except KVBudgetExceeded:
+                n = 0
+            finally:
+                for dropped in self.kept.insert(kept.scope, kept.hashes, kept.value, kept.nbytes):
+                    self._free(dropped.value)
+            stats = self.kept.stats
+            stats.hits, stats.misses, stats.tokens_reused = stats.hits + bool(n), stats.misses + (not n), \
+                stats.tokens_reused + n
+            return n
+
+    def _make_room(self, delta: int) -> None:
+        """Free kept KV, the least recently used first, until `delta` more bytes fit (or none is left)."""
+        while self.used_bytes + delta > self.budget_bytes:
+            oldest = self.kept.oldest()
+            if oldest is None:
+                return
+            self._drop_kept(oldest)
+
+    def _drop_kept(self, kept: Kept) -> None:
+        self.kept.remove(kept)
+        self.kept.stats.evictions += 1
+        self._free(kept.value)
+
     def evict_expired(self) -> list[Hashable]:
+        """Release sessions idle past the TTL (their keys) and kept KV idle past its own."""
         with self._lock:
             now = self.clock()
             expired = [k for k, kv in self._sessions.items() if now - kv.last_used > self.ttl_s]
             for key in expired:
                 self.release(key)
+            for kept in self.kept.expired():
+                self._free(kept.value)
             return expired
+
+    def drop_kept(self) -> int:
+        """Free all kept KV (an operator's or a move's choice); the entries freed."""
+        with self._lock:
+            entries = self.kept.entries()
+            for kept in entries:
+                self._drop_kept(kept)
+            return len(entries)
 
     def idle(self, idle_s: float) -> list[Hashable]:
         """Sessions unused for more than `idle_s` seconds, the longest unused first."""
@@ -207,6 +286,7 @@ class KVStore:
 
     def charge(self, kv: SessionKV, delta: int) -> None:
         with self._lock:
+            self._make_room(delta)
             if self.used_bytes + delta > self.budget_bytes:
                 self.evict_expired()
             if self.used_bytes + delta > self.budget_bytes:

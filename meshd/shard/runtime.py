@@ -48,7 +48,7 @@ log = get_logger(__name__)
 
 class Shard:
     def __init__(self, artifact: Artifact, start: int, end: int, recipe: Recipe = EXACT,
-                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, kv_ttl_s: float = 600.0,
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, kv_ttl_s: float = 600.0, prefix_ttl_s: float = 600.0,
                  progress: bool | None = None) -> None:
         cfg = artifact.config
         if not 0 <= start < end <= cfg.n_layers:
@@ -83,7 +83,7 @@ class Shard:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.distinct_tensors())
         self._sessions: dict[Hashable, OpenedSession] = {}
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
-                          kv_budget_bytes, kv_ttl_s)
+                          kv_budget_bytes, kv_ttl_s, prefix_ttl_s=prefix_ttl_s)
         log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
                  params=self.n_params, weight_mb=round(self.weight_bytes / 1e6, 1), seconds=round(self.load_seconds, 2))
 
@@ -185,6 +185,25 @@ class Shard:
     def release(self, key: Hashable) -> bool:
         self._sessions.pop(key, None)
         return self.kv.release(key)
+
+    def keep(self, key: Hashable, owner: str, hashes: list[bytes]) -> int:
+        """End a session, keeping its KV of the tokens `hashes` names (`meshd/shard/prefix.py`) for sessions
+        `owner` opens later on the same layers and RoPE table; the positions kept. Kept only where a pass
+        of many positions computes each as its one-position step does (`passes_equal_steps`): a later
+        session that starts from it then computes the bits a fresh one would."""
+        opened = self._sessions.pop(key, None)
+        if opened is None or not hashes or not self.passes_equal_steps:
+            self.kv.release(key)
+            return 0
+        return self.kv.keep(key, (owner, opened.start, opened.end, opened.table), hashes)
+
+    def reuse(self, key: Hashable, owner: str, hashes: list[bytes]) -> int:
+        """Start an open, empty session from the longest prefix of `hashes` kept for `owner` on its
+        layers and table; the positions it starts with (the next pass starts there, or earlier)."""
+        opened = self._sessions.get(key)
+        if opened is None or not hashes or not self.passes_equal_steps:
+            return 0
+        return self.kv.reuse(key, (owner, opened.start, opened.end, opened.table), hashes)
 
     def evict_expired(self) -> list[Hashable]:
         """Release sessions idle past the KV TTL (their entry vanished without closing)."""

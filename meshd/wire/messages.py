@@ -19,10 +19,11 @@ from typing import Any, ClassVar, Optional
 from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 6  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
+PROTOCOL_VERSION = 7  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
 # 4: OpenSession.microbatch; 5: Phase.VERIFY, Token.accepted, GenerateRequest.speculate, decode frames of
 # several positions; 6: GenerateRequest.verify (check this generation on a second route), Token.tensors
-# (the hops' sketches of a step, meshd/hop/sketch.py)
+# (the hops' sketches of a step, meshd/hop/sketch.py); 7: prefix reuse (OpenSession.prefix, Opened.reused,
+# Close.keep): a build of 6 would refuse a hop's chain as a bad frame
 
 
 class MsgType(enum.IntEnum):
@@ -168,8 +169,11 @@ class OpenSession(Message):
     # longrope model's (Phi-3) for a sequence past its pretraining context. Appended within protocol 6:
     # a frame without it (an earlier build) opens a short session
     rope_table: int = 0
+    # prefix reuse (meshd/shard/prefix.py): the hash chain of the whole blocks of tokens the session will be fed
+    # first, so the hop may start it from KV it kept of the same tokens (empty: none asked)
+    prefix: bytes = b""
 
-    LATE_FIELDS: ClassVar[int] = 1
+    LATE_FIELDS: ClassVar[int] = 2
 
 
 @message(MsgType.OPENED)
@@ -180,6 +184,9 @@ class Opened(Message):
     session_id: bytes
     epoch: int
     forwarding: bool = False  # its outputs go straight to the next hop asked for (else back to the sender)
+    reused: int = 0  # positions of the asked prefix it holds already: the session starts with them
+
+    LATE_FIELDS: ClassVar[int] = 1
 
 
 @message(MsgType.FORWARD)
@@ -262,8 +269,14 @@ class Token(Message):
 
 @message(MsgType.CLOSE)
 class Close(Message):
+    """The session ended; with `keep`, the hash chain of the tokens its KV holds (whole blocks from
+    position 0): the hop may keep that KV for the same entry's next session that extends them."""
+
     session_id: bytes
     epoch: int
+    keep: bytes = b""
+
+    LATE_FIELDS: ClassVar[int] = 1
 
 
 @message(MsgType.CANCEL)
