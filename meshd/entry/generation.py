@@ -274,8 +274,9 @@ class Entry:
         meanwhile: the token counts as generated, and a reroute does not send its text again."""
         piece = text.push(token)
         gen.streamed += 1
-        if piece:  # how many tokens the text so far holds; the first text also how long the prompt was
-            stats = {"tokens": gen.streamed} | ({"prompt_tokens": len(gen.ids)} if not gen.emitted else {})
+        if piece:  # how many tokens the text so far holds; the first text also how long the prompt was,
+            first = {"prompt_tokens": len(gen.ids), "cached_tokens": gen.reused}  # and how much of it was reused
+            stats = {"tokens": gen.streamed} | (first if not gen.emitted else {})
             gen.emitted = True
             with trio.CancelScope(shield=True):
                 await emit(StreamEvent(request_id=req.request_id, kind="text", text=piece, token_id=token,

@@ -103,7 +103,7 @@ class Routes:
                                                                      microbatch, asked)
                     at.add_hop(hop.peer_id, channel, forwards)
                     at.opened_with(reused)
-                gen.reused = min(at.reused or 0, max(0, len(gen.prefill_ids) - 1))
+                gen.started_from(min(at.reused or 0, max(0, len(gen.prefill_ids) - 1)))
                 if at.hops and self.forwarding:
                     at.linked = await self._link_first_hop(at, route.hops[0])
                 for i, (peer, channel) in enumerate(at.hops):

@@ -55,6 +55,7 @@ class Generation:
     long_from: int | None = None  # tokens generated when the long table took over (None: not yet; 0: the prompt)
     reuse: bool = True  # its routes may start from KV hops kept of the same tokens (meshd/shard/prefix.py)
     reused: int = 0  # prompt positions the last route started with, kept from an earlier generation
+    skipped: dict[int, int] = field(default_factory=dict)  # attempt -> prompt positions its route did not compute
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset(),
@@ -121,11 +122,20 @@ class Generation:
 
     def work(self) -> list[tuple[list, int]]:
         """Each route taken and the positions it computed: the prompt and the tokens fed back up to
-        where the next route took over (the last token of all is sampled, never fed); the drafts
-        the tail rejected were computed too (counted on the last route)."""
+        where the next route took over (the last token of all is sampled, never fed), less the prompt
+        positions it started with (kept KV); the drafts the tail rejected were computed too (counted on
+        the last route)."""
         ends = [began for _, began in self.attempts[1:]] + [max(0, len(self.tokens) - 1)
                                                             + self.drafted - self.accepted_drafts]
-        return [(route, len(self.ids) + end) for (route, _), end in zip(self.attempts, ends)]
+        return [(route, len(self.ids) + end - self.skipped.get(i, 0))
+                for i, ((route, _), end) in enumerate(zip(self.attempts, ends))]
+
+    def started_from(self, reused: int) -> None:
+        """The route just opened holds the first `reused` prompt positions already (kept KV): its prefill
+        starts there, and they are not counted as its work."""
+        self.reused = reused
+        if self.attempts:
+            self.skipped[len(self.attempts) - 1] = reused
 
     def accept(self, token: int) -> bool:
         """Take the next generated token; True when it is the last one."""

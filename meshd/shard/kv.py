@@ -269,6 +269,12 @@ class KVStore:
                 self._free(kept.value)
             return expired
 
+    def kept_summary(self) -> dict:
+        """The prefix index's figures (`PrefixIndex.summary`), read under the lock the compute thread
+        keeps and reuses under (status asks from the event loop)."""
+        with self._lock:
+            return self.kept.summary()
+
     def drop_kept(self) -> int:
         """Free all kept KV (an operator's or a move's choice); the entries freed."""
         with self._lock:
