@@ -1,9 +1,9 @@
-"""meshctl starts at once: it imports neither trio, libp2p nor torch."""
+"""meshctl starts at once: it imports neither trio, libp2p nor torch; and its lines read off status dicts."""
 
 import subprocess
 import sys
 
-from meshd.cli.render import draft_line, load_line
+from meshd.cli.render import draft_line, load_line, prefix_line, prompt_line, render_status, sessions_line
 
 
 def test_meshctl_imports_no_event_loop_no_libp2p_no_torch():
@@ -37,3 +37,39 @@ def test_the_drafts_line_shows_the_setting_and_how_many_drafts_stood():
                   "source": {"model": "small.gguf", "recipe": "native", "layers": 30}}
     assert draft_line(with_model) == ("drafts    speculate auto (at most 4 a step, draft model small.gguf (native)):"
                                       " 8 sent, 6 accepted (75%)")
+
+
+CACHE = {"entries": 3, "held_bytes": 12_400_000, "held_tokens": 2900, "hits": 5, "misses": 2, "tokens_reused": 11200,
+         "evictions": 0, "ttl_s": 600.0}
+STATUS = {"peer_id": "12D3KooWme", "state": "serving", "model": "m.gguf", "recipe": "native", "range": [0, 10],
+          "n_layers": 30, "sessions": 1, "kv_bytes": 14_000_000, "generations": 1, "addrs": [], "peers": [],
+          "prefix_cache": CACHE}
+
+
+def test_the_prefix_line_shows_what_is_kept_and_how_often_it_was_reused():
+    assert prefix_line(STATUS) == ("prefix    3 kept (12.4 MB, 2,900 tokens); 5 hits of 7 asked, 11,200 tokens reused;"
+                                   " 0 evicted; TTL 600 s")
+    off = {**CACHE, "entries": 0, "held_bytes": 0, "held_tokens": 0, "hits": 1, "misses": 0, "ttl_s": 0.0}
+    assert prefix_line({"prefix_cache": off}).endswith("1 hit of 1 asked, 11,200 tokens reused; 0 evicted;"
+                                                        " TTL 0 s (keeping off)")
+    assert prefix_line({"prefix_cache": None}) == "prefix    none (no layers held here)"
+    assert prefix_line({}) == "prefix    unknown"  # an older daemon
+    assert prefix_line({"prefix_cache": {"entries": 1}}) == ("prefix    1 kept (0.0 MB, 0 tokens); 0 hits of 0 asked,"
+                                                             " 0 tokens reused; 0 evicted; TTL -")
+
+
+def test_status_says_how_much_kv_is_kept_and_reads_an_older_daemons_status():
+    lines = render_status(STATUS).splitlines()
+    assert "sessions  1 open, 14.0 MB KV, 1 generating" in lines
+    assert lines[lines.index("sessions  1 open, 14.0 MB KV, 1 generating") + 1].startswith(
+        "prefix    3 kept (12.4 MB")
+    older = {k: v for k, v in STATUS.items() if k != "prefix_cache"}
+    lines = render_status(older).splitlines()
+    assert "sessions  1 open, 14.0 MB KV, 1 generating" in lines and "prefix    unknown" in lines
+    assert sessions_line({**STATUS, "prefix_cache": None}) == "sessions  1 open, 14.0 MB KV, 1 generating"
+
+
+def test_the_prompt_line_says_how_many_prompt_tokens_were_reused():
+    assert prompt_line({"prompt_tokens": 2931, "cached_tokens": 2912}) == "prompt 2,931 tokens (2,912 reused)"
+    assert prompt_line({"prompt_tokens": 12, "cached_tokens": 0}) == "prompt 12 tokens"
+    assert prompt_line({"prompt_tokens": 12}) == "prompt 12 tokens"  # an older entry

@@ -3,9 +3,11 @@ which HTTP routes need the token. Real daemons behind it: tests/test_dashboard_b
 
 import json
 import re
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.api import dashboard
 from meshd.api.http import HttpApi
@@ -83,6 +85,47 @@ async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():
     await metrics.observe_generation(run, None, emit)
     counts = {s.name: s.value for h in (metrics.token_latency, metrics.ttft) for m in h.collect() for s in m.samples}
     assert counts["meshd_token_latency_seconds_count"] == 4 and counts["meshd_time_to_first_token_seconds_count"] == 1
+
+
+class ScrapedDaemon:
+    """What a scrape of /metrics reads of a daemon: its status and its ledger's totals."""
+
+    def __init__(self, prefix_cache):
+        self.prefix_cache = prefix_cache
+        self.ledger = SimpleNamespace(totals=lambda: {"peers": {}, "generations": {}, "sessions": {}})
+
+    def status(self):
+        return {"sessions": 0, "kv_bytes": 4096, "peers": [], "gaps": [], "generations": 0,
+                "prefix_cache": self.prefix_cache}
+
+
+def scrape(metrics: Metrics) -> dict:
+    text = metrics.exposition()[0].decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def test_metrics_show_the_prefix_cache_and_the_prompt_tokens_reused():
+    cache = {"entries": 2, "held_bytes": 4096, "held_tokens": 64, "hits": 3, "misses": 1, "tokens_reused": 96,
+             "evictions": 1, "ttl_s": 600.0}
+    metrics = Metrics(ScrapedDaemon(cache))
+
+    async def run(req, emit):
+        return {"tokens": 4, "prompt_tokens": 40, "cached_tokens": 32}
+
+    async def emit(event):
+        pass
+
+    await metrics.observe_generation(run, None, emit)
+    got = scrape(metrics)
+    assert {k: got[k] for k in ("meshd_prefix_kept_entries", "meshd_prefix_kept_bytes", "meshd_prefix_kept_tokens",
+                                "meshd_prefix_hits_total", "meshd_prefix_misses_total",
+                                "meshd_prefix_tokens_reused_total", "meshd_prefix_evictions_total")} == {
+        "meshd_prefix_kept_entries": 2, "meshd_prefix_kept_bytes": 4096, "meshd_prefix_kept_tokens": 64,
+        "meshd_prefix_hits_total": 3, "meshd_prefix_misses_total": 1, "meshd_prefix_tokens_reused_total": 96,
+        "meshd_prefix_evictions_total": 1}
+    assert got["meshd_prompt_tokens_total"] == 40 and got["meshd_prompt_tokens_cached_total"] == 32
+    bare = scrape(Metrics(ScrapedDaemon(None)))  # a daemon without layers keeps nothing
+    assert bare["meshd_prefix_kept_entries"] == 0 and bare["meshd_prefix_hits_total"] == 0
 
 
 def test_the_page_loads_only_its_own_files():

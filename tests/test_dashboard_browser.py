@@ -8,6 +8,7 @@ bench/results/dashboard/ (printed).
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -127,14 +128,17 @@ def test_the_entry_shows_three_bars_covering_the_model_and_complete(mesh, browse
     peer = title(browser, '#coverage g.bar[data-range="20:30"]')
     assert "rtt" in peer and "reached directly" in peer
     assert node(browser, "state") == "serving"
+    assert node(browser, "prefix").endswith("; TTL 600 s")  # what this daemon keeps of ended generations
     shot(browser, "1-complete")
 
 
 MADE_UP = {  # a status no three-daemon loopback mesh shows: replicas, a relayed and an excluded peer, a gap
     "peer_id": "12D3KooWself", "state": "draining", "drain_reason": "stop", "range": [0, 10], "n_layers": 30,
     "model": "m", "recipe": "native", "complete": False, "gaps": [[25, 30]], "coverage": [2] * 10 + [2] * 10 + [1] * 5 + [0] * 5,
-    "throughput": 100.0, "sessions": 0, "kv_bytes": 0, "generations": 0, "weight_bytes": 1, "file_bytes": 1,
+    "throughput": 100.0, "sessions": 1, "kv_bytes": 1_600_000, "generations": 0, "weight_bytes": 1, "file_bytes": 1,
     "relay": {"service": None, "client": None, "relayed_peers": ["12D3KooWrelayed"]}, "recent_generations": [],
+    "prefix_cache": {"entries": 3, "held_bytes": 12_400_000, "held_tokens": 2900, "hits": 5, "misses": 2,
+                     "tokens_reused": 11200, "evictions": 0, "ttl_s": 600},
     "peers": [{"peer_id": "12D3KooWreplica", "range": [0, 10], "serving": True, "throughput": 90.0, "rtt_ms": 1.5},
               {"peer_id": "12D3KooWrelayed", "range": [10, 25], "serving": True, "throughput": 80.0, "rtt_ms": 9.0},
               {"peer_id": "12D3KooWexcluded", "range": [10, 20], "serving": True, "throughput": 70.0, "rtt_ms": 2.0,
@@ -165,6 +169,9 @@ def test_replicas_stack_and_each_bar_says_how_its_peer_is_reached(mesh, browser)
     assert "12D3KooWrelayed" in relayed and "reached through a relay" in relayed and "rtt 9.0 ms" in relayed
     assert "excluded from routes" in title(browser, '#coverage g.bar[data-link="excluded"]')
     assert node(browser, "state") == "draining (stop)"
+    assert node(browser, "sessions") == "1 open, 1.6 MB KV, 0 generating"  # kept KV: the prefix row
+    assert node(browser, "prefix") == ("3 kept (12.4 MB, 2,900 tokens); 5 hits of 7 asked, 11,200 tokens reused;"
+                                       " 0 evicted; TTL 600 s")
     assert "…tstrap" in browser.find_element(By.ID, "coverage-notes").text  # listed, without layers
     shot(browser, "0-made-up-replicas")
 
@@ -192,6 +199,8 @@ def test_the_chat_box_streams_what_meshctl_generates(mesh, browser):
     assert "error" not in answer.get_attribute("class")
     assert answer.get_attribute("textContent") == expected
     assert browser.execute_script("return window.assistantUpdates") > 1  # it arrived in pieces
+    # meshctl asked the same just before: the hops kept its KV, and the page says so (from the usage)
+    assert re.search(r" · [1-9]\d* of \d+ prompt tokens reused$", browser.find_element(By.ID, "chat-status").text)
     wait(browser, 10, "the generation in the recent table",
          lambda d: len(read(d, "#recent tbody tr", "1")) >= 2)  # meshctl's, then the page's
     status = httpx.get(url(d0) + "/v1/meshd/status", timeout=10).text

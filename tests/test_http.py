@@ -56,11 +56,18 @@ def test_chat_completion_equals_meshctl_and_streams_the_same_text(mesh):
                                         max_tokens=24, temperature=0)
     assert whole.choices[0].message.content == expected
     assert whole.usage.completion_tokens >= 1 and whole.usage.prompt_tokens > 5
-    pieces = [ch.choices[0].delta.content or "" for ch in api.chat.completions.create(
-        model=models[0].id, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0,
-        stream=True)]
+    # meshctl asked the same just before: the hops kept its KV, and reused it (in whole blocks of 16)
+    assert 16 <= whole.usage.prompt_tokens_details.cached_tokens < whole.usage.prompt_tokens
+    chunks = list(api.chat.completions.create(model=models[0].id, messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=24, temperature=0, stream=True))
+    pieces = [ch.choices[0].delta.content or "" for ch in chunks]
     assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens_details.cached_tokens
     after = metrics(a)
+    reused = after["meshd_prompt_tokens_cached_total{}"] - before["meshd_prompt_tokens_cached_total{}"]
+    assert reused == 2 * whole.usage.prompt_tokens_details.cached_tokens
+    assert after["meshd_prefix_hits_total{}"] >= before["meshd_prefix_hits_total{}"] + 2  # a's own layers
+    assert after["meshd_prefix_kept_entries{}"] >= 1 and after["meshd_prefix_kept_bytes{}"] > 0
     assert after["meshd_generations_finished_total{}"] >= before["meshd_generations_finished_total{}"] + 2
     assert after["meshd_tokens_generated_total{}"] > before["meshd_tokens_generated_total{}"]
     assert after["meshd_time_to_first_token_seconds_count{}"] >= 2
@@ -136,11 +143,13 @@ def test_a_request_id_follows_the_generation_into_every_hops_log(mesh):
 
 def test_meshctl_chat_keeps_a_conversation_and_ends_on_ctrl_d(mesh):
     m, a, b, c = mesh
-    out = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "chat", "--max-tokens", "12"],
-                         input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "chat", "--max-tokens", "12",
+                          "--stats"], input="What is the capital of France?\nAnd of Italy?\n", capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("you> ") == 3  # two turns answered, then the EOF prompt
+    turns = [line for line in out.stderr.splitlines() if line.startswith("[prompt ")]
+    assert len(turns) == 2 and " reused), " in turns[1]  # the second turn extends the first, kept on the hops
     # the first turn is the chat-templated answer to the question alone (the native lane answers as
     # llama.cpp does on this file: "L'Étoile, la Marseillaise,"; the exact lane says Paris)
     alone = subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(a.socket), "generate", "--chat",

@@ -1,11 +1,16 @@
-"""The OpenAI API's shapes, pure: request checks and stop sequences."""
+"""The OpenAI API's shapes, pure: request checks, stop sequences and usage; and the answers `HttpApi`
+builds of a made-up generation (real daemons: tests/test_http.py)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import trio
 from hypothesis import given, strategies as st
 
 from meshd.api import openai
+from meshd.api.http import HttpApi
+from meshd.wire import StreamEvent
 
 MODEL = "m.gguf"
 
@@ -65,3 +70,57 @@ def test_any_split_gives_the_text_up_to_the_first_stop(text, cuts, stop):
     s = openai.StopScanner([stop])
     out = "".join(s.push(p) for p in pieces) + s.flush()
     assert out == text.split(stop)[0]
+
+
+def test_usage_says_how_many_prompt_tokens_were_cached():
+    got = openai.usage({"prompt_tokens": 2931, "cached_tokens": 2912, "tokens": 10})
+    assert got == {"prompt_tokens": 2931, "completion_tokens": 10, "total_tokens": 2941,
+                   "prompt_tokens_details": {"cached_tokens": 2912}}
+    assert openai.usage({"prompt_tokens": 5, "tokens": 1})["prompt_tokens_details"] == {"cached_tokens": 0}  # older
+    c = parse({"messages": [{"role": "user", "content": "Hi"}]})
+    stats = {"prompt_tokens": 6, "cached_tokens": 4, "tokens": 2}
+    assert openai.answer(c, "ab", "stop", stats)["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert openai.chunk(c, None, "stop", stats)["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def made_up_generate(stats: dict):
+    """A generation of "Hello world" in two texts, the first telling the prompt's tokens, as an entry's does."""
+    async def generate(req, emit):
+        await emit(StreamEvent(request_id=req.request_id, kind="text", text="Hello",
+                               stats={"tokens": 1, "prompt_tokens": 40, "cached_tokens": 32}))
+        await emit(StreamEvent(request_id=req.request_id, kind="text", text=" world", stats={"tokens": 2}))
+        return stats
+    return generate
+
+
+async def post(app, body: dict) -> list[dict]:
+    """The JSON objects of the answer: the whole one, or each streamed event's."""
+    sent, asked = [], False
+
+    async def receive():
+        nonlocal asked
+        if asked:
+            await trio.sleep_forever()  # the client stays to the end
+        asked = True
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send)
+    raw = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    if not body.get("stream"):
+        return [json.loads(raw)]
+    return [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stop", [[], [" wor"]])
+async def test_the_usage_tells_the_cached_prompt_tokens_whole_streamed_or_cut_at_a_stop(stream, stop):
+    daemon = SimpleNamespace(artifact=SimpleNamespace(name=MODEL, config=SimpleNamespace(max_positions=2048)),
+                             mesh=None)
+    done = {"tokens": 2, "prompt_tokens": 40, "cached_tokens": 32, "route": []}  # the entry's own stats
+    app = HttpApi(daemon, made_up_generate(done), metrics=None)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": stream, "stop": stop, "max_tokens": 8}
+    usage = (await post(app, body))[-1]["usage"]  # cut at a stop, the first text's figures make it
+    assert usage["prompt_tokens"] == 40 and usage["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -117,8 +117,9 @@ class HttpApi:
 
         async def emit(event: StreamEvent) -> None:
             stats["tokens"] = event.stats.get("tokens", stats["tokens"] + 1)  # a text may hold several tokens
-            if "prompt_tokens" in event.stats:
-                stats["prompt_tokens"] = event.stats["prompt_tokens"]
+            for key in ("prompt_tokens", "cached_tokens"):  # the first text's: the usage of an answer a stop
+                if key in event.stats:  # sequence cut (the generation's own stats never come back then)
+                    stats[key] = event.stats[key]
             piece = scanner.push(event.text)
             if piece:
                 await on_text(piece)

@@ -29,6 +29,10 @@ class Metrics:
         self.failed = Counter("meshd_generations_failed", "Generations that failed, by reason", ["reason"],
                               registry=r)
         self.tokens = Counter("meshd_tokens_generated", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("meshd_prompt_tokens", "Prompt tokens of the generations asked of this daemon",
+                                     registry=r)
+        self.cached_tokens = Counter("meshd_prompt_tokens_cached", "Of those, tokens not prefilled: every hop of the"
+                                     " route held their KV already (prefix reuse)", registry=r)
         self.drafted = Counter("meshd_draft_tokens", "Draft tokens sent down a route (speculation)", registry=r)
         self.accepted = Counter("meshd_draft_accepted", "Draft tokens the tail accepted", registry=r)
         self.ttft = Histogram("meshd_time_to_first_token_seconds", "Time to the first streamed text",
@@ -94,6 +98,8 @@ class Metrics:
         self.recent.record(stats, "ok", first, time.perf_counter() - t0)
         self.finished.inc()
         self.tokens.inc(stats.get("tokens", 0))
+        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+        self.cached_tokens.inc(stats.get("cached_tokens", 0))
         self.drafted.inc(stats.get("drafted", 0))
         self.accepted.inc(stats.get("accepted", 0))
         self.reroutes.inc(stats.get("reroutes", 0))
@@ -133,6 +139,7 @@ class _Live:
         yield refused
         yield from ledger_metrics(self.daemon.ledger.totals())
         yield from check_metrics(st.get("checks") or {})
+        yield from prefix_metrics(st.get("prefix_cache") or {})
 
 
 def ledger_metrics(totals: dict):
@@ -148,6 +155,21 @@ def ledger_metrics(totals: dict):
                                      labels=["outcome"])
         for outcome, n in sorted(totals[kind].items()):
             family.add_metric([outcome], n)
+        yield family
+
+
+def prefix_metrics(cache: dict):
+    """The KV kept of ended sessions on this daemon's layers, and the sessions that started from it."""
+    for name, key, doc in (("entries", "entries", "Ended sessions whose KV is kept for reuse"),
+                           ("bytes", "held_bytes", "Bytes of kept KV (counted in meshd_kv_bytes too)"),
+                           ("tokens", "held_tokens", "Token positions of kept KV")):
+        yield GaugeMetricFamily(f"meshd_prefix_kept_{name}", doc, value=cache.get(key, 0))
+    for name, doc in (("hits", "Sessions opened with kept KV of their prefix, since start"),
+                      ("misses", "Sessions that asked for a kept prefix and found none, since start"),
+                      ("tokens_reused", "Positions those hits did not compute, since start"),
+                      ("evictions", "Kept entries dropped for room or idle past the TTL, since start")):
+        family = CounterMetricFamily(f"meshd_prefix_{name}", doc)
+        family.add_metric([], cache.get(name, 0))
         yield family
 
 

@@ -137,8 +137,10 @@ def finish_reason(stopped: bool, tokens: int, max_tokens: int) -> str:
 
 
 def usage(stats: dict) -> dict:
+    """OpenAI's usage: `cached_tokens` are the prompt tokens not prefilled (the route's hops held their KV)."""
     p, c = int(stats.get("prompt_tokens", 0)), int(stats.get("tokens", 0))
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens") or 0)}}
 
 
 def answer(c: Completion, text: str, reason: str, stats: dict) -> dict:

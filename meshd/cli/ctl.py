@@ -3,11 +3,12 @@
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
             [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] [--verify] PROMPT
-    meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT]
+    meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT] [--stats]
     meshctl [--socket PATH] drain [--exit]
     meshctl [--socket PATH] ledger [--json] [--since DATE] [--peer ID]
 
-Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr.
+Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr (chat: one line
+a turn, its prompt's tokens and how many of them the route held already).
 Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
 5 generation failed (a hop failed, ...), 6 mesh busy (no route had room before the entry's --busy-wait).
 Rule: the client is a plain blocking socket and `meshd.wire` (no trio, libp2p or torch), so it
@@ -25,7 +26,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from meshd.cli.render import render_ledger, render_status
+from meshd.cli.render import prompt_line, render_ledger, render_status
 from meshd.node.settings import default_socket, default_state_dir
 from meshd.wire import Decoder, DrainRequest, GenerateRequest, LedgerRequest, StatusRequest, WireError, encode
 
@@ -160,11 +161,13 @@ def chat(path: Path, args, read=input) -> int:
         messages.append({"role": "user", "content": line})
         req = GenerateRequest(request_id=new_request_id(), prompt="", messages=json.dumps(messages),
                               max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        code, _, answer = stream_answer(path, req, args.timeout)
+        code, stats, answer = stream_answer(path, req, args.timeout)
         print()
         if code != 0:
             messages.pop()
             continue
+        if args.stats:  # each turn sends the whole conversation: the turns before are reused where kept
+            print(f"[{prompt_line(stats)}, {stats.get('tokens', 0):,} generated]", file=sys.stderr)
         messages.append({"role": "assistant", "content": answer})
 
 
@@ -253,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--system", default="", help="a system message that opens the conversation")
+    c.add_argument("--stats", action="store_true", help="after each answer, a stderr line: the prompt's tokens,"
+                   " how many of them were reused (KV the route kept of the turns before), and the tokens generated")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
     return p
 

@@ -45,6 +45,32 @@ def draft_line(spec: dict | None) -> str:
             f" {sent} sent, {kept} accepted{rate}")
 
 
+def sessions_line(st: dict) -> str:
+    """Open sessions and the KV they hold (ended sessions' kept KV is the prefix line's)."""
+    return f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating"
+
+
+def prefix_line(st: dict) -> str:
+    """Prefix reuse: ended sessions' KV kept here, and how often a new session started from it."""
+    if "prefix_cache" not in st:
+        return "prefix    unknown"
+    cache = st["prefix_cache"]
+    if cache is None:
+        return "prefix    none (no layers held here)"
+    hits, asked = cache.get("hits", 0), cache.get("hits", 0) + cache.get("misses", 0)
+    ttl = cache.get("ttl_s")
+    keeping = "TTL -" if ttl is None else f"TTL {ttl:g} s" + ("" if ttl > 0 else " (keeping off)")
+    return (f"prefix    {cache.get('entries', 0)} kept ({cache.get('held_bytes', 0) / 1e6:.1f} MB,"
+            f" {cache.get('held_tokens', 0):,} tokens); {hits} hit{'s' * (hits != 1)} of {asked} asked,"
+            f" {cache.get('tokens_reused', 0):,} tokens reused; {cache.get('evictions', 0)} evicted; {keeping}")
+
+
+def prompt_line(stats: dict) -> str:
+    """A generation's prompt: its tokens, and how many of them hops held KV of already (not prefilled)."""
+    cached = stats.get("cached_tokens") or 0
+    return f"prompt {stats.get('prompt_tokens', 0):,} tokens" + (f" ({cached:,} reused)" if cached else "")
+
+
 def check_lines(checks: dict | None) -> list[str]:
     """Checked generations (a second route a token must agree with) and the peers excluded after one."""
     if not checks:
@@ -118,8 +144,8 @@ def render_status(st: dict) -> str:
               f"layers    {rng[0]}:{rng[1]} of {st['n_layers']}" if rng else "layers    (not chosen yet)"),
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
-             f"sessions  {st['sessions']} open, {st['kv_bytes'] / 1e6:.1f} MB KV, {st['generations']} generating",
-             load_line(st), draft_line(st.get("speculation")), *check_lines(st.get("checks"))]
+             sessions_line(st), prefix_line(st), load_line(st), draft_line(st.get("speculation")),
+             *check_lines(st.get("checks"))]
     lines += [f"moved     {st['moved']}"] if st.get("moved") else []
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(mesh_key_line(st.get("mesh_key")))

@@ -27,7 +27,8 @@ def daemon_status(d) -> dict:
         "range": [rec.start, rec.end] if rec and d.lifecycle.range_known else None,
         "n_layers": rec.n_layers if rec else None,
         "sessions": len(slot.shard.kv) if slot else 0,
-        "kv_bytes": slot.shard.kv.used_bytes if slot else 0,
+        "kv_bytes": slot.shard.kv.live_bytes if slot else 0,  # open sessions' (kept KV: prefix_cache's held_bytes)
+        "prefix_cache": slot.shard.kv.kept_summary() if slot else None,
         "generations": d.active_generations,
         "uptime_s": round(time.time() - d.started_at, 1),
         "throughput": round(d.throughput, 1),

@@ -269,6 +269,12 @@ class KVStore:
                 self._free(kept.value)
             return expired
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes held for open sessions (`used_bytes` less the kept KV)."""
+        with self._lock:
+            return self.used_bytes - self.kept.held_bytes
+
     def kept_summary(self) -> dict:
         """The prefix index's figures (`PrefixIndex.summary`), read under the lock the compute thread
         keeps and reuses under (status asks from the event loop)."""

@@ -182,7 +182,8 @@
       ["state", st.state + (st.drain_reason ? ` (${st.drain_reason})` : "")],
       ["layers", layers],
       ["memory", `${mb(st.weight_bytes)} weights for ${mb(st.file_bytes)} in the file${ratio}; ${mb(st.rss_bytes)} resident`],
-      ["sessions", `${st.sessions} open, ${mb(st.kv_bytes)} KV, ${st.generations} generating`],
+      ["sessions", sessionsText(st)],
+      ["prefix", prefixText(st)],
       ["queue", `${st.queue || 0} frames waiting for a pass`],
       ["batches", b.passes ? `mean ${b.mean_batch} sessions/pass, largest ${b.largest_batch}, ${b.passes} passes`
         : "no pass yet"],
@@ -191,6 +192,23 @@
       ["relays", relayText(st.relay)],
       ["uptime", `${Math.round(st.uptime_s || 0)} s`],
     ];
+  }
+
+  function sessionsText(st) {
+    // open sessions' KV; ended sessions' kept KV is the prefix row's
+    return `${st.sessions} open, ${mb(st.kv_bytes)} KV, ${st.generations} generating`;
+  }
+
+  function prefixText(st) {
+    // KV kept of ended sessions, for a later generation that extends the same tokens (meshd/shard/prefix.py)
+    if (!("prefix_cache" in st)) return "unknown";
+    const p = st.prefix_cache;
+    if (!p) return "none (no layers held here)";
+    const n = (v) => Number(v || 0).toLocaleString("en-US");
+    const hits = p.hits || 0, asked = hits + (p.misses || 0);
+    const ttl = p.ttl_s === undefined || p.ttl_s === null ? "TTL -" : `TTL ${p.ttl_s} s${p.ttl_s > 0 ? "" : " (keeping off)"}`;
+    return `${n(p.entries)} kept (${mb(p.held_bytes)}, ${n(p.held_tokens)} tokens); ${hits} hit${hits === 1 ? "" : "s"}` +
+           ` of ${asked} asked, ${n(p.tokens_reused)} tokens reused; ${n(p.evictions)} evicted; ${ttl}`;
   }
 
   function reachText(r) {
@@ -330,7 +348,9 @@
       const { answer, usage } = await streamAnswer(out);
       conversation.push({ role: "assistant", content: answer });
       const tokens = usage ? usage.completion_tokens : "?";
-      $("chat-status").textContent = `${tokens} tokens in ${((performance.now() - t0) / 1000).toFixed(1)} s`;
+      const cached = (usage && usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) || 0;
+      $("chat-status").textContent = `${tokens} tokens in ${((performance.now() - t0) / 1000).toFixed(1)} s` +
+        (cached ? ` · ${cached} of ${usage.prompt_tokens} prompt tokens reused` : "");
     } catch (e) {
       conversation.pop();
       out.classList.add("error");
