@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 7  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.p
 # 4: OpenSession.microbatch; 5: Phase.VERIFY, Token.accepted, GenerateRequest.speculate, decode frames of
 # several positions; 6: GenerateRequest.verify (check this generation on a second route), Token.tensors
 # (the hops' sketches of a step, meshd/hop/sketch.py); 7: prefix reuse (OpenSession.prefix, Opened.reused,
-# Close.keep): a build of 6 would refuse a hop's chain as a bad frame
+# Close.keep), constrained decoding (GenerateRequest.grammar/tools, OpenSession.grammar/grammar_from): a build
+# of 6 would refuse them as bad frames
 
 
 class MsgType(enum.IntEnum):
@@ -172,8 +173,13 @@ class OpenSession(Message):
     # prefix reuse (meshd/shard/prefix.py): the hash chain of the whole blocks of tokens the session will be fed
     # first, so the hop may start it from KV it kept of the same tokens (empty: none asked)
     prefix: bytes = b""
+    # constrained decoding (meshd/shard/grammar.py): the grammar every sampled token of the session must keep to
+    # (an llguidance grammar, JSON text; sent to the hop that samples), and the position of the first generated
+    # token (the ids fed from there on are the grammar's input). Empty: free text
+    grammar: str = ""
+    grammar_from: int = 0
 
-    LATE_FIELDS: ClassVar[int] = 2
+    LATE_FIELDS: ClassVar[int] = 4
 
 
 @message(MsgType.OPENED)
@@ -320,6 +326,8 @@ class GenerateRequest(Message):
     messages: str = ""  # a whole conversation as JSON ([{"role", "content"}, ...]); replaces `prompt`
     speculate: bool = True  # False: no drafts for this request, whatever the entry's --speculate
     verify: bool = False  # True: check this generation on a second route, whatever the entry's --verify-rate
+    grammar: str = ""  # an llguidance grammar (JSON text) every generated token keeps to; empty: free text
+    tools: str = ""  # OpenAI tool definitions (JSON list) the chat template is rendered with; empty: none
 
 
 @message(MsgType.STATUS)
