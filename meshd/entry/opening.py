@@ -132,10 +132,13 @@ class Routes:
 
     def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0, asked=b""):
         forward = nxt is not None and self.forwarding
+        # the grammar goes to the session that samples, and to the head, whose frames then carry their ids to it
+        grammar = gen.grammar if start == 0 or nxt is None else ""
         return open_session(req.request_id, sid, epoch, start, end, self.model_fp, self.recipe_fp, gen.max_length,
                             sampling, next_peer=nxt.peer_id if forward else "",
                             next_addrs=" ".join(nxt.addrs) if forward else "", microbatch=microbatch,
-                            rope_table=gen.rope_table, prefix_chain=asked)
+                            rope_table=gen.rope_table, prefix_chain=asked, grammar=grammar,
+                            grammar_from=len(gen.ids))
 
     async def _open_local(self, sid, epoch, req, gen, sampling, microbatch=0, asked=b"") -> int:
         """The session on this daemon's own layers: the prompt positions it holds already."""

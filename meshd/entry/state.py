@@ -20,6 +20,7 @@ from meshd.entry.checks import Check
 from meshd.entry.drafts import Drafts
 from meshd.entry.errors import GenerationError
 from meshd.shard import prefix, rope
+from meshd.shard.grammar import Constraint, GrammarError
 from meshd.shard.sampler import SamplingParams
 from meshd.wire import ErrorCode, OpenSession
 
@@ -56,6 +57,8 @@ class Generation:
     reuse: bool = True  # its routes may start from KV hops kept of the same tokens (meshd/shard/prefix.py)
     reused: int = 0  # prompt positions the last route started with, kept from an earlier generation
     skipped: dict[int, int] = field(default_factory=dict)  # attempt -> prompt positions its route did not compute
+    grammar: str = ""  # what every generated token keeps to (meshd/shard/grammar.py); the hop that samples masks
+    guide: Constraint | None = None  # the grammar's state after the tokens so far, here: its forced tokens are drafts
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset(),
@@ -107,8 +110,10 @@ class Generation:
 
     def prefix_asked(self, root: bytes) -> list[bytes]:
         """The chain of the tokens a route's sessions may start from, kept: the prefill but its last token
-        (the tail must compute a position to sample from). Empty when reuse is off."""
-        return prefix.chain(self.prefill_ids[:-1], root) if self.reuse else []
+        (the tail must compute a position to sample from), and under a grammar the prompt's only (the
+        sampling hop's grammar must be fed every generated token). Empty when reuse is off."""
+        ids = self.prefill_ids[:-1]
+        return prefix.chain(ids[:len(self.ids)] if self.grammar else ids, root) if self.reuse else []
 
     def prefix_held(self, root: bytes) -> list[bytes]:
         """The chain of the tokens a route that computed this whole generation holds KV of: the prompt and
@@ -142,7 +147,21 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.tokens.append(token)
+        if self.guide is not None:
+            try:
+                self.guide.take(token)
+            except GrammarError:  # the tail masks every token: only a stop token past the grammar's end gets here
+                self.guide = None
         return self.done
+
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` tokens the grammar forces next (jump-forward drafts; [] without a grammar)."""
+        if self.guide is None or not self.tokens:
+            return []
+        room = min(most, self.max_tokens - len(self.tokens) - 1)
+        if self.switch and self.long_from is None:
+            room = min(room, self.switch - len(self.ids) - len(self.tokens))
+        return self.guide.forced()[:max(0, room)]
 
     def plain_steps_left(self) -> int:
         """Decode steps that may still run one after another, each fed the token the one before gave,
@@ -163,11 +182,12 @@ class Generation:
             room = min(room, self.switch - len(self.ids) - len(self.tokens))  # would need the long table
         return self.drafts.propose(self.ids + self.tokens, room)
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """The tail accepted `accepted` of a step's `drafted` drafts."""
+    def verified(self, drafted: int, accepted: int, forced: bool = False) -> None:
+        """The tail accepted `accepted` of a step's `drafted` drafts (`forced`: the grammar's, which do not
+        tell the draft source how it does)."""
         self.drafted += drafted
         self.accepted_drafts += accepted
-        if self.drafts is not None:
+        if self.drafts is not None and not forced:
             self.drafts.after(drafted, accepted)
 
     def stats(self, end: float | None = None) -> dict:
@@ -187,10 +207,10 @@ class Generation:
 def open_session(request_id: int, session_id: bytes, epoch: int, start: int, end: int, model_fp: str,
                  recipe_fp: str, max_length: int, sampling: SamplingParams, next_peer: str = "",
                  next_addrs: str = "", microbatch: int = 0, rope_table: int = rope.SHORT,
-                 prefix_chain: bytes = b"") -> OpenSession:
+                 prefix_chain: bytes = b"", grammar: str = "", grammar_from: int = 0) -> OpenSession:
     """The frame that opens a generation's session on the layers [start, end) of one shard."""
     return OpenSession(request_id=request_id, session_id=session_id, epoch=epoch, start=start, end=end,
                        model_fingerprint=model_fp, recipe_fingerprint=recipe_fp, max_length=max_length,
                        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                        seed=sampling.seed, next_peer=next_peer, next_addrs=next_addrs, microbatch=microbatch,
-                       rope_table=rope_table, prefix=prefix_chain)
+                       rope_table=rope_table, prefix=prefix_chain, grammar=grammar, grammar_from=grammar_from)

@@ -17,7 +17,7 @@ import torch
 from meshd.hop import sketch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
 from meshd.hop.sessions import HopSession, SessionTable
-from meshd.shard import prefix
+from meshd.shard import grammar, prefix
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
 from meshd.shard.batch import PASS, SCORE, STEPS
 from meshd.shard.runtime import Shard
@@ -25,7 +25,8 @@ from meshd.shard.sampler import Sampler, SamplingParams
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Tensor,
                         Token)
 
-TOKENS, HIDDEN, DRAFTS = "tokens", "hidden", "drafts"
+TOKENS, HIDDEN, DRAFTS, FED = "tokens", "hidden", "drafts", "fed"  # fed: a frame's token ids, carried to the
+# hop that samples under a grammar (its input: meshd/shard/grammar.py)
 KIND = {Phase.PREFILL: PASS, Phase.DECODE: STEPS, Phase.VERIFY: SCORE}  # how a frame's positions are computed
 
 
@@ -49,6 +50,7 @@ class ShardEndpoint:
         self.sessions = SessionTable()
         self.refused = 0  # sessions refused as busy
         self.ledger = None  # the daemon's work ledger: one row per session served for another peer
+        self._lltok = None  # the tokenizer as grammars see it, loaded for the first session with one
 
     def handle(self, msg: Message, requester: str = "") -> list[Message]:
         """Answer one message; `requester` is the peer whose stream it came on ("": this daemon's entry)."""
@@ -64,7 +66,7 @@ class ShardEndpoint:
                 self.release((msg.session_id, msg.epoch), "cancelled")
                 return []
             return [Error(code=ErrorCode.BAD_FRAME, message=f"a shard does not take {type(msg).__name__}")]
-        except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:
+        except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:  # GrammarError is a ValueError
             return self._failed(msg, exc)
 
     def release(self, key: tuple[bytes, int], outcome: str = "failed", keep: list[bytes] = ()) -> int:
@@ -148,11 +150,21 @@ class ShardEndpoint:
             return [replace(error, retry_after_s=BUSY_RETRY_S)]
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
+        constraint = self._constraint(msg) if tail and msg.grammar else None  # a bad grammar refuses the open
         self.shard.open_session(key, msg.max_length, msg.start, msg.end, msg.rope_table)  # a table it lacks: refused
         self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need,
-                                        layers=(msg.start, msg.end), requester=requester, opened_at=time.time())
+                                        layers=(msg.start, msg.end), requester=requester, opened_at=time.time(),
+                                        constraint=constraint, carries_ids=bool(msg.grammar) and not tail)
         reused = self.shard.reuse(key, requester, asked) if asked else 0
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch, reused=reused)]
+
+    def _constraint(self, msg: OpenSession) -> grammar.Constraint:
+        """The grammar a sampling session keeps to (this hop loads the tokenizer the first time one comes)."""
+        if self._lltok is None:
+            from meshd.shard.tokenizer import load_tokenizer
+
+            self._lltok = grammar.ll_tokenizer(load_tokenizer(self.shard.artifact))
+        return grammar.Constraint(msg.grammar, self._lltok, msg.grammar_from)
 
     def _forward(self, msg: Forward) -> list[Message]:
         return self.forward_batch([msg])[0]
@@ -227,21 +239,45 @@ class ShardEndpoint:
             tensors = (Tensor.from_torch(HIDDEN, out.to(self.shard.recipe.torch_wire)),)
             if drafts is not None:
                 tensors += (Tensor.from_torch(DRAFTS, drafts),)
+            tensors += self._fed(msg, state)
             tensors += sketch.carried(msg.tensors, out, state.layers)  # when the entry asked (checked routes)
             return [Forward(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, phase=msg.phase,
                             position=msg.position, chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
                             tensors=tensors)]
+        constraint = state.constraint
+        if constraint is not None:  # the grammar takes the generated ids fed (a verify frame's drafts as accepted)
+            fed = self._fed_ids(msg, state)
+            constraint.feed(msg.position, fed[:1] if drafts is not None else fed)
         if msg.phase == Phase.PREFILL and msg.chunk_index != msg.chunk_total - 1:
             return []
         accepted = 0
         if drafts is None:
-            token, logprob = state.sampler.sample(out, position=next_position)
+            token, logprob = state.sampler.sample(out, next_position, constraint)
         else:
-            accepted, token, logprob = state.sampler.verify(out, drafts[0].tolist(), msg.position + 1)
+            accepted, token, logprob = state.sampler.verify(out, drafts[0].tolist(), msg.position + 1, constraint)
             # the rejected drafts' positions leave this hop's KV at once (the others' with the next frame)
             self.shard.trim((msg.session_id, msg.epoch), msg.position + accepted + 1)
         return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob,
                       accepted=accepted, tensors=sketch.carried(msg.tensors, out, state.layers))]
+
+
+    @staticmethod
+    def _fed(msg: Forward, state: HopSession) -> tuple[Tensor, ...]:
+        """The token ids that travel on with a frame's output: a head's own, where its route samples under a
+        grammar; those it came with, elsewhere."""
+        if state.head and state.carries_ids:
+            return tuple(replace(t, name=FED) for t in msg.tensors if t.name == TOKENS)
+        return tuple(t for t in msg.tensors if t.name == FED)
+
+    @staticmethod
+    def _fed_ids(msg: Forward, state: HopSession) -> list[int]:
+        t = next((t for t in msg.tensors if t.name == (TOKENS if state.head else FED)), None)
+        if t is None:
+            raise ValueError("a frame of a session with a grammar lacks its token ids ('fed')")
+        ids = t.to_torch()
+        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"a frame's token ids must be int [1, n], not {ids.dtype} {tuple(ids.shape)}")
+        return ids[0].tolist()
 
 
 def token_frame(session_id: bytes, epoch: int, step: int, phase: Phase, position: int, ids: list[int],

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshd.hop.links import Links
+from meshd.shard.grammar import Constraint
 from meshd.shard.sampler import Sampler
 
 Key = tuple[bytes, int]
@@ -30,6 +31,8 @@ class HopSession:
     requester: str = ""  # the peer that opened it over a stream (its entry); "" for the entry's own
     positions: int = 0  # positions computed for it (the work ledger's count)
     opened_at: float = 0.0  # wall clock
+    constraint: Constraint | None = None  # its grammar, where it samples (meshd/shard/grammar.py)
+    carries_ids: bool = False  # a head whose route samples under a grammar: its frames carry their token ids on
 
 
 class SessionTable(dict[Key, HopSession]):

@@ -7,6 +7,8 @@ session owns its generator, reseeded from (seed, position) before each draw). Ve
 distribution of plain sampling: greedy accepts a draft where it equals the argmax; sampling accepts a
 draft d with probability p(d) and otherwise draws from p without d, renormalised (the standard rule
 for a draft proposed with certainty), each uniform draw seeded from (seed, position) too.
+A session with a grammar (`meshd/shard/grammar.py`) draws from its logits masked to what the grammar allows
+at that position; a draft the grammar forbids has probability 0, so it is rejected like a wrong one.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ class Sampler:
             logits = logits.scatter(0, order[drop], float("-inf"))
         return torch.log_softmax(logits, -1)
 
-    def sample(self, logits: torch.Tensor, position: int = 0) -> tuple[int, float]:
-        """Token id (for `position`) and its log-probability under the (tempered, filtered) distribution."""
-        logprobs = self.logprobs(logits)
+    def sample(self, logits: torch.Tensor, position: int = 0, constraint=None) -> tuple[int, float]:
+        """Token id (for `position`) and its log-probability under the (tempered, filtered) distribution,
+        of the tokens `constraint` allows (all without one)."""
+        logprobs = self.logprobs(logits if constraint is None else constraint.mask(logits))
         if self.params.temperature == 0:
             token = first_max(logprobs)
             return token, float(logprobs[token])
@@ -78,17 +81,20 @@ class Sampler:
         token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
         return token, float(logprobs[token])
 
-    def verify(self, logits: torch.Tensor, drafts: list[int], position: int) -> tuple[int, int, float]:
+    def verify(self, logits: torch.Tensor, drafts: list[int], position: int, constraint=None) -> tuple[int, int, float]:
         """Check drafts against logits [len(drafts) + 1, vocab], whose row i scores the token at
         `position + i` (row i follows draft i - 1). Returns how many drafts are accepted, the token
-        after them, and its log-probability."""
+        after them, and its log-probability. With `constraint`, each row is masked to what it allows
+        after the drafts before it, which it takes as they are accepted."""
         if logits.shape[0] != len(drafts) + 1:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
         for i, draft in enumerate(drafts):
-            kept = self._check(logits[i], draft, position + i)
+            kept = self._check(logits[i] if constraint is None else constraint.mask(logits[i]), draft, position + i)
             if kept is not None:
                 return i, *kept
-        return len(drafts), *self.sample(logits[-1], position + len(drafts))
+            if constraint is not None:
+                constraint.take(draft)
+        return len(drafts), *self.sample(logits[-1], position + len(drafts), constraint)
 
     def _check(self, logits: torch.Tensor, draft: int, position: int) -> tuple[int, float] | None:
         """None where the draft stands; else the token drawn in its place and its log-probability."""
