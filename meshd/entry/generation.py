@@ -38,7 +38,7 @@ from meshd.entry.policy import BUSY_WAIT_S, Retries
 from meshd.entry.route import Route
 from meshd.entry.state import Generation, stop_ids
 from meshd.node.log import get_logger
-from meshd.shard import rope
+from meshd.shard import grammar, rope
 from meshd.shard.sampler import SamplingParams
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt
 from meshd.wire import ErrorCode, GenerateRequest, Phase, StreamEvent
@@ -83,6 +83,13 @@ class Entry:
         stop = stop_ids(self.config, self.tokenizer, req.ignore_eos)
         gen = Generation.start(ids, req.max_tokens, self.config.max_positions, stop,
                                rope.switch(self.config.rope_scaling))
+        if req.grammar:  # compiled once here; the hop that samples compiles it again from the same text
+            try:
+                lltok = grammar.ll_tokenizer(self.tokenizer)
+                grammar.check(req.grammar, lltok)
+                gen.grammar, gen.guide = req.grammar, grammar.Constraint(req.grammar, lltok, len(ids))
+            except grammar.GrammarError as exc:
+                raise GenerationError(ErrorCode.BAD_FRAME, str(exc)) from None
         drafts = self.drafts_for(req)
         # a check runs without drafts (meshd/entry/checked.py), and a sampled generation's text depends on
         # which steps drafted: a check drawn at random takes only generations whose text it cannot change
@@ -111,6 +118,8 @@ class Entry:
         return gen.propose()
 
     async def generate(self, req: GenerateRequest, emit: Emit) -> dict:
+        if req.grammar:  # the tokenizer as grammars see it: built once (~0.35 s), not on the event loop
+            await trio.to_thread.run_sync(grammar.ll_tokenizer, self.tokenizer)
         gen, sampling = self.start(req)
         row = self.ledger.begin_generation(req.request_id) if self.ledger is not None else None
         failure = None
@@ -224,7 +233,9 @@ class Entry:
             # same text whatever the load, so it drafts as its draft length says
             pays = req.temperature > 0 or worth_drafting(len(at.hops), sum(self.microbatch_use.counts()))
             began = time.perf_counter()
-            drafts = await self.propose(gen) if pays else []
+            # what a grammar forces comes as drafts, whatever the load: the tail would sample nothing else
+            forced = gen.forced(self.draft_max) if gen.check is None else []
+            drafts = forced or (await self.propose(gen) if pays else [])
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             if not drafts and (req.temperature == 0 or gen.drafts is None) and gen.check is None and at.alone_here():
                 tokens = await self._run_here(at, req, gen, text, taken, position, emit)
@@ -235,10 +246,10 @@ class Entry:
                 overlap.start_soon(self.emit_tokens, req, gen, text, taken, emit)
                 reply = await at.advance(len(gen.tokens), Phase.VERIFY if drafts else Phase.DECODE, position,
                                          [gen.tokens[-1], *drafts])
-            if pays and gen.drafts is not None:
+            if pays and gen.drafts is not None and not forced:
                 gen.drafts.observe(1 + len(drafts), time.perf_counter() - began)
             if drafts:
-                gen.verified(len(drafts), reply.accepted)
+                gen.verified(len(drafts), reply.accepted, forced=bool(forced))
             tokens = [*drafts[:reply.accepted], reply.token_id]
 
     async def _run_here(self, at: Attempt, req, gen: Generation, text, taken: list[int], position: int,
