@@ -2,7 +2,8 @@
 
 Rules: served by hypercorn inside the daemon's own trio loop (no second process, no thread per
 request), as a bare ASGI app; every generation goes through the same `generate` as the control
-socket, so forwarding to a remote entry, rerouting and KV release behave alike. A client that
+socket, so forwarding to a remote entry, rerouting and KV release behave alike; a chat answer that may
+hold tool calls is split into text and calls as it streams (`meshd/api/toolcalls.py`). A client that
 disconnects cancels its generation. With a token set, every route but /healthz and the dashboard's
 files (which hold nothing of the mesh; `meshd/api/dashboard.py`) needs `Authorization: Bearer <token>`.
 """
@@ -19,7 +20,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from meshd.api import dashboard, openai
+from meshd.api import dashboard, openai, structured, toolcalls
 from meshd.entry.errors import GenerationError, ended_normally
 from meshd.node.log import get_logger
 from meshd.wire import ErrorCode, StreamEvent
@@ -38,6 +39,9 @@ class HttpApi:
     def __init__(self, daemon, generate, metrics, token: str = "") -> None:
         """`generate(request, emit) -> stats` runs or forwards one generation (the control server's)."""
         self.daemon, self.generate, self.metrics, self.token = daemon, generate, metrics, token
+        # how the model writes tool calls, from its chat template: read now, before a daemon without layer 0
+        # drops its tokenizer's metadata
+        self.tool_format = structured.tool_format(structured.chat_template(getattr(daemon, "artifact", None)))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -87,7 +91,7 @@ class HttpApi:
         try:
             body = await self._body(receive)
             c = openai.parse_request(body, chat, d.artifact.name, d.artifact.config.max_positions,
-                                     secrets.randbits(53) or 1)
+                                     secrets.randbits(53) or 1, self.tool_format)
         except openai.BadRequest as exc:
             return await self._json(send, 400, openai.error_body(str(exc), "invalid_request_error"))
         gaps = d.mesh.coverage.serving().gaps() if d.mesh else []
@@ -110,19 +114,29 @@ class HttpApi:
         log.info("http client disconnected; generation cancelled")
         scope.cancel()
 
-    async def _run(self, c: openai.Completion, on_text) -> tuple[dict, bool]:
-        """Generate, passing stop-cut text to on_text; returns (stats, stopped by a stop sequence)."""
+    async def _run(self, c: openai.Completion, on_text, on_call=None) -> tuple[dict, bool, list[toolcalls.Call]]:
+        """Generate, passing stop-cut text to on_text and tool call events (`CallBegun`, `Arguments`) to
+        on_call; returns (stats, stopped by a stop sequence, the tool calls)."""
         scanner = openai.StopScanner(c.stop)
+        splitter = toolcalls.CallSplitter(c.tools.fmt) if c.tools is not None and c.tools.may_call else None
         stats: dict = {"tokens": 0}
+
+        async def tell(events: list) -> None:
+            for e in events:
+                if not isinstance(e, toolcalls.Content):
+                    if on_call is not None:
+                        await on_call(e)
+                    continue
+                piece = scanner.push(e.text)
+                if piece:
+                    await on_text(piece)
 
         async def emit(event: StreamEvent) -> None:
             stats["tokens"] = event.stats.get("tokens", stats["tokens"] + 1)  # a text may hold several tokens
             for key in ("prompt_tokens", "cached_tokens"):  # the first text's: the usage of an answer a stop
                 if key in event.stats:  # sequence cut (the generation's own stats never come back then)
                     stats[key] = event.stats[key]
-            piece = scanner.push(event.text)
-            if piece:
-                await on_text(piece)
+            await tell(splitter.push(event.text) if splitter is not None else [toolcalls.Content(event.text)])
             if scanner.stopped:
                 raise Stopped
 
@@ -131,10 +145,12 @@ class HttpApi:
         except BaseException as exc:  # a stop sequence may come back wrapped in the entry's task groups
             if not ended_normally(exc):
                 raise
+        if splitter is not None:
+            await tell(splitter.finish())
         rest = scanner.flush()
         if rest:
             await on_text(rest)
-        return stats, scanner.stopped
+        return stats, scanner.stopped, splitter.calls if splitter is not None else []
 
     async def _whole(self, c: openai.Completion, send) -> None:
         parts: list[str] = []
@@ -143,14 +159,14 @@ class HttpApi:
             parts.append(piece)
 
         try:
-            stats, stopped = await self._run(c, collect)
+            stats, stopped, calls = await self._run(c, collect)
         except GenerationError as exc:
             status, body = self._error(exc)
             # a full mesh: clients (the openai library among them) back off and retry on 429 + Retry-After
             retry = [(b"retry-after", b"1")] if exc.code == ErrorCode.BUSY else []
             return await self._json(send, status, body, retry)
-        reason = openai.finish_reason(stopped, stats.get("tokens", 0), c.request.max_tokens)
-        await self._json(send, 200, openai.answer(c, "".join(parts), reason, stats))
+        reason = openai.finish_reason(stopped, stats, c.request.max_tokens, called=bool(calls))
+        await self._json(send, 200, openai.answer(c, "".join(parts), reason, stats, [x.whole() for x in calls]))
 
     async def _stream(self, c: openai.Completion, send) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -160,12 +176,18 @@ class HttpApi:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
 
-        if c.chat:
-            await event(openai.chunk(c, "") | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                            "finish_reason": None}]})
+        async def call_piece(e) -> None:
+            first = isinstance(e, toolcalls.CallBegun)
+            delta = (openai.call_delta(e.call.index, "", e.call.id, e.call.name) if first
+                     else openai.call_delta(e.call.index, e.text))
+            await event(openai.chunk(c, None, calls=[delta]))
+
+        if c.chat:  # an answer that may be tool calls has no content until text comes
+            delta = {"role": "assistant", "content": None if c.tools is not None and c.tools.may_call else ""}
+            await event(openai.chunk(c, "") | {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
         try:
-            stats, stopped = await self._run(c, lambda piece: event(openai.chunk(c, piece)))
-            reason = openai.finish_reason(stopped, stats.get("tokens", 0), c.request.max_tokens)
+            stats, stopped, calls = await self._run(c, lambda piece: event(openai.chunk(c, piece)), call_piece)
+            reason = openai.finish_reason(stopped, stats, c.request.max_tokens, called=bool(calls))
             await event(openai.chunk(c, None, reason, stats))
         except GenerationError as exc:
             status, body = self._error(exc)

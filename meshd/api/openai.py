@@ -1,9 +1,12 @@
 """The OpenAI API's shapes, without I/O: requests checked into `GenerateRequest`s, answers built.
 
 Rules: a request is refused (`BadRequest`, HTTP 400 with the OpenAI error shape) before anything is
-generated when it is malformed, names another model, asks for more tokens than the context holds, or
-uses a parameter outside its range; stop sequences are cut here (`StopScanner`), so no client ever
-sees a stop string or a piece of one.
+generated when it is malformed, names another model, asks for more tokens than the context holds, uses
+a parameter outside its range, or asks for a structured answer that cannot be enforced (a bad schema, a
+bad tool or tool_choice: `meshd/api/structured.py`, `meshd/api/tools.py`); stop sequences are cut here
+(`StopScanner`) from the answer's text (not from tool calls), so no client ever sees a stop string or a
+piece of one. An answer cut short by max_tokens ends with finish_reason "length", never "stop" or
+"tool_calls": its JSON or call may be unfinished.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from meshd.api import structured, tools
+from meshd.api.structured import PLAIN, ToolFormat
+from meshd.api.tools import ToolUse
 from meshd.wire import ErrorCode, GenerateRequest
 
 MAX_STOP = 4
@@ -32,6 +38,7 @@ class Completion:
     stream: bool
     stop: list[str]
     model: str
+    tools: ToolUse | None = None  # a chat request's tools (their calls are split off the text: toolcalls.py)
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -47,8 +54,10 @@ def _number(body: dict, key: str, default, lo, hi, kind=float):
     return kind(value)
 
 
-def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: int) -> Completion:
-    """A /v1/chat/completions (chat) or /v1/completions body, checked against this mesh's model."""
+def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: int,
+                  tool_format: ToolFormat = PLAIN) -> Completion:
+    """A /v1/chat/completions (chat) or /v1/completions body, checked against this mesh's model (whose chat
+    template writes tool calls as `tool_format` says)."""
     try:
         body = json.loads(raw or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -79,33 +88,30 @@ def parse_request(raw: bytes, chat: bool, model: str, context: int, request_id: 
     if not isinstance(verify, bool):
         raise BadRequest("'verify' must be true or false")
     params["verify"] = verify
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list")
-        turns = []
-        for m in messages:
-            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")):
-                raise BadRequest("each message needs a 'role': system, user or assistant")
-            turns.append({"role": m["role"], "content": _content(m.get("content"))})
-        text = {"prompt": "", "messages": json.dumps(turns)}
-    else:
+    try:
+        text, use = _text(body, chat, tool_format)
+        answer = structured.answer_schema(body.get("response_format"))
+        grammar = (tools.grammar(use, answer) if use is not None and use.may_call
+                   else structured.schema_grammar(answer) if answer is not None else "")
+    except structured.Refused as exc:
+        raise BadRequest(str(exc)) from None
+    req = GenerateRequest(request_id=request_id, **text, **params, grammar=grammar)
+    return Completion(req, chat, bool(body.get("stream", False)), stop, model, use)
+
+
+def _text(body: dict, chat: bool, fmt: ToolFormat) -> tuple[dict, ToolUse | None]:
+    """The request's prompt or conversation (GenerateRequest fields), and its tools."""
+    if not chat:
+        if body.get("tools") or body.get("tool_choice"):
+            raise structured.Refused("'tools' and 'tool_choice' are served on /v1/chat/completions")
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("'prompt' must be a non-empty string")
-        text = {"prompt": prompt}
-    req = GenerateRequest(request_id=request_id, **text, **params)
-    return Completion(req, chat, bool(body.get("stream", False)), stop, model)
-
-
-def _content(content) -> str:
-    """A message's text: a string, or a list of text parts ({"type": "text", "text": ...})."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise BadRequest("a message's 'content' must be a string or a list of text parts (only text is served)")
+            raise structured.Refused("'prompt' must be a non-empty string")
+        return {"prompt": prompt}, None
+    use = tools.parse_tool_use(body, fmt)
+    turns = tools.conversation(body.get("messages"), use, fmt)
+    shown = json.dumps([t.definition() for t in use.tools]) if use is not None and fmt.native else ""
+    return {"prompt": "", "messages": json.dumps(turns), "tools": shown}, use
 
 
 class StopScanner:
@@ -132,8 +138,15 @@ class StopScanner:
         return out
 
 
-def finish_reason(stopped: bool, tokens: int, max_tokens: int) -> str:
-    return "stop" if stopped or tokens < max_tokens else "length"
+def finish_reason(stopped: bool, stats: dict, max_tokens: int, called: bool = False) -> str:
+    """"length" where max_tokens ended the answer (the entry's `finish` says so where it tells; else all
+    tokens were used), "tool_calls" where it ended after tool calls, else "stop"."""
+    if stopped:
+        return "stop"
+    ended = stats.get("finish")
+    if ended == "length" or (ended is None and int(stats.get("tokens", 0)) >= max_tokens):
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def usage(stats: dict) -> dict:
@@ -143,18 +156,22 @@ def usage(stats: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens") or 0)}}
 
 
-def answer(c: Completion, text: str, reason: str, stats: dict) -> dict:
-    """The whole (non-streamed) answer."""
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason} if c.chat
+def answer(c: Completion, text: str, reason: str, stats: dict, calls: list[dict] | None = None) -> dict:
+    """The whole (non-streamed) answer; with `calls`, its content is null where no text came with them."""
+    message = ({"role": "assistant", "content": text or None, "tool_calls": calls} if calls
+               else {"role": "assistant", "content": text})
+    choice = ({"index": 0, "message": message, "finish_reason": reason} if c.chat
               else {"index": 0, "text": text, "finish_reason": reason})
     return {"id": c.id, "object": "chat.completion" if c.chat else "text_completion", "created": c.created,
             "model": c.model, "choices": [choice], "usage": usage(stats)}
 
 
-def chunk(c: Completion, text: str | None, reason: str | None = None, stats: dict | None = None) -> dict:
-    """One streamed piece; the last carries the finish reason and the usage."""
+def chunk(c: Completion, text: str | None, reason: str | None = None, stats: dict | None = None,
+          calls: list[dict] | None = None) -> dict:
+    """One streamed piece (`calls`: pieces of tool calls, as `call_delta` makes them); the last carries the
+    finish reason and the usage."""
     if c.chat:
-        delta = {} if text is None else {"content": text}
+        delta = ({} if text is None else {"content": text}) | ({"tool_calls": calls} if calls else {})
         choice = {"index": 0, "delta": delta, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": reason}
@@ -163,6 +180,13 @@ def chunk(c: Completion, text: str | None, reason: str | None = None, stats: dic
     if stats is not None:
         out["usage"] = usage(stats)
     return out
+
+
+def call_delta(index: int, arguments: str, id: str = "", name: str = "") -> dict:
+    """A streamed piece of tool call `index`: its first names it (id, type, name), the others add arguments."""
+    if id:
+        return {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"index": index, "function": {"arguments": arguments}}
 
 
 def error_body(message: str, kind: str, code: str | None = None) -> dict:

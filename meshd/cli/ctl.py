@@ -2,14 +2,17 @@
 
     meshctl [--socket PATH] status [--json]
     meshctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] [--verify] PROMPT
+            [--seed S] [--chat] [--stats] [--ignore-eos] [--no-speculate] [--verify]
+            [--json-schema FILE | --grammar FILE] PROMPT
     meshctl [--socket PATH] chat [--max-tokens N] [--temperature T] [--system TEXT] [--stats]
     meshctl [--socket PATH] drain [--exit]
     meshctl [--socket PATH] ledger [--json] [--since DATE] [--peer ID]
 
 Generated text goes to stdout and nothing else; `--stats` adds one JSON line on stderr (chat: one line
 a turn, its prompt's tokens and how many of them the route held already).
-Exit codes: 0 ok, 2 bad usage, 3 daemon not reachable, 4 no route covers the model,
+`--json-schema FILE` holds the answer to JSON that validates against the schema in FILE, `--grammar FILE` to
+a Lark grammar (llguidance's variant); both are checked before anything is sent.
+Exit codes: 0 ok, 2 bad usage (a bad schema or grammar file too), 3 daemon not reachable, 4 no route covers the model,
 5 generation failed (a hop failed, ...), 6 mesh busy (no route had room before the entry's --busy-wait).
 Rule: the client is a plain blocking socket and `meshd.wire` (no trio, libp2p or torch), so it
 starts at once; every request carries its own random id, which the daemons log on every hop.
@@ -36,6 +39,10 @@ EXIT_FOR = {"no_route": EXIT_NO_ROUTE, "busy": EXIT_BUSY}
 
 class DaemonUnreachable(Exception):
     pass
+
+
+class BadUsage(Exception):
+    """The command line cannot be served as given (exit 2)."""
 
 
 class DaemonSilent(Exception):
@@ -130,11 +137,41 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
         conn.close()
 
 
+def generate_request(args) -> GenerateRequest:
+    """The request `meshctl generate` sends; BadUsage for a schema or grammar file that cannot be enforced."""
+    return GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate,
+                           verify=args.verify, grammar=grammar_file(args.json_schema, args.grammar))
+
+
+def grammar_file(schema_path: str | None, lark_path: str | None) -> str:
+    """The grammar a --json-schema or --grammar file gives ("" for neither), checked as the HTTP API checks
+    one (llguidance is imported only here: meshctl starts at once otherwise)."""
+    if not schema_path and not lark_path:
+        return ""
+    from meshd.api import structured
+
+    flag, path = ("--json-schema", schema_path) if schema_path else ("--grammar", lark_path)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadUsage(f"{flag} {path}: cannot read it: {exc}") from None
+    try:
+        if lark_path:
+            return structured.lark_grammar(text, f"{flag} {path}")
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise BadUsage(f"{flag} {path}: not JSON: {exc}") from None
+        structured.check_schema(schema, f"{flag} {path}")
+        return structured.schema_grammar(schema)
+    except structured.Refused as exc:
+        raise BadUsage(str(exc)) from None
+
+
 def generate(path: Path, args) -> int:
-    req = GenerateRequest(request_id=new_request_id(), prompt=args.prompt, max_tokens=args.max_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, ignore_eos=args.ignore_eos, speculate=not args.no_speculate,
-                          verify=args.verify)
+    req = generate_request(args)
     code, stats, _ = stream_answer(path, req, args.timeout)
     if code == 0:
         sys.stdout.write("\n")
@@ -242,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", action="store_true", help="check this generation on a second route of other daemons:"
                    " a token only when both agree (--stats says verified: false where a range has no replica)")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each event")
+    held = g.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", metavar="FILE", help="answer with JSON that validates against the JSON schema"
+                      " in FILE (enforced where tokens are sampled)")
+    held.add_argument("--grammar", metavar="FILE", help="answer in the language of the Lark grammar in FILE"
+                      " (llguidance's Lark: %%json {...} embeds a schema)")
     dr = sub.add_parser("drain", help="stop taking sessions and wait until running generations finish")
     dr.add_argument("--exit", action="store_true", help="then stop the daemon (as SIGTERM does)")
     dr.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the drain")
@@ -277,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ledger":
             return ledger(path, args)
         return generate(path, args)
+    except BadUsage as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return 2
     except DaemonUnreachable as exc:
         print(f"meshctl: {exc}", file=sys.stderr)
         return EXIT_DOWN

@@ -75,8 +75,9 @@ class Entry:
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
         try:
-            ids = (encode_messages(self.tokenizer, json.loads(req.messages)) if req.messages
-                   else encode_prompt(self.tokenizer, req.prompt, req.chat))
+            tools = json.loads(req.tools) if req.tools else None  # OpenAI tool definitions the template renders
+            ids = (encode_messages(self.tokenizer, json.loads(req.messages), tools, constrained=bool(req.grammar))
+                   if req.messages else encode_prompt(self.tokenizer, req.prompt, req.chat))
             sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
         except (ValueError, TypeError, KeyError) as exc:  # a bad conversation, no chat template, bad sampling
             raise GenerationError(ErrorCode.BAD_FRAME, f"bad request (prompt, conversation or sampling): {exc}") from None

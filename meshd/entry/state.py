@@ -196,6 +196,7 @@ class Generation:
         n = len(self.tokens)
         first = self.first_token_at or end
         return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
+                "finish": "stop" if self.tokens and self.tokens[-1] in self.stop else "length",
                 "cached_tokens": self.reused,
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
                 "drafted": self.drafted, "accepted": self.accepted_drafts,

@@ -43,11 +43,17 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer(prompt).input_ids)
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids for a conversation in the model's chat template, ready for the assistant's turn."""
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    constrained: bool = False) -> list[int]:
+    """Token ids for a conversation in the model's chat template, ready for the assistant's turn; `tools`
+    (OpenAI tool definitions) rendered as the template renders them. `constrained`: a grammar holds the
+    answer from its first token, so a template that can think first (Qwen3's `enable_thinking`) is asked
+    not to (other templates ignore the flag)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; send a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"enable_thinking": False} if constrained else {}
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                        **extra)
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
