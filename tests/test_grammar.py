@@ -88,7 +88,9 @@ def whole(tokenizer):
     from meshd.shard.runtime import Shard
 
     art = open_artifact("smollm2")
-    return ShardEndpoint(Shard(art, 0, 30, get_recipe("native", art)), "m", "r")
+    ep = ShardEndpoint(Shard(art, 0, 30, get_recipe("native", art)), "m", "r")
+    ep.tokenizer = tokenizer  # a tail keeps the tokenizer (meshd/node/slot.py)
+    return ep
 
 
 def run(ep: ShardEndpoint, sid: bytes, ids: list[int], g: str, tokens: int, drafts_of=None, temperature=0.0):
@@ -137,6 +139,11 @@ def test_a_middle_hop_carries_the_fed_ids_to_the_tail(whole, tokenizer):
     art = open_artifact("smollm2")
     g = llguidance.LLMatcher.grammar_from_json_schema({"enum": ["yes", "no"]})
     head, tail = whole, ShardEndpoint(Shard(art, 15, 30, get_recipe("native", art)), "m", "r")
+    (refused,) = tail.handle(w.OpenSession(request_id=1, session_id=b"n" * 16, epoch=0, start=15, end=30,
+                                           model_fingerprint="m", recipe_fingerprint="r", grammar=g))
+    assert refused.code == w.ErrorCode.BAD_FRAME and "no tokenizer" in refused.message  # and nothing held
+    assert not tail.sessions
+    tail.tokenizer = tokenizer
     sid = b"h" * 16
     for ep, (a, b), gr in ((head, (0, 15), g), (tail, (15, 30), g)):
         assert isinstance(ep.handle(w.OpenSession(request_id=1, session_id=sid, epoch=0, start=a, end=b,

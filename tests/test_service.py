@@ -356,3 +356,21 @@ def test_compute_busy_time_grows_while_a_long_job_runs():
         assert 0.15 < during <= after < 10
     finally:
         executor.stop()
+
+
+async def test_only_the_peer_that_opened_a_session_may_end_it_or_say_what_its_kv_holds(artifact, compute):
+    """A Close names a session by id: another peer that learnt the id (a hop of the same route) must neither
+    end it nor have its KV kept under tokens of its choosing (prefix reuse would apply them to the owner's
+    later prompts)."""
+    from meshd.shard import prefix
+
+    service = service_for(artifact, compute)
+    sid, key = b"o" * 16, (b"o" * 16, 0)
+    (opened,) = await compute.run(service.endpoint.handle, open_msg(sid, max_length=64), "owner")
+    assert isinstance(opened, Opened)
+    await service.handle(token_frame(sid, 0, 0, Phase.PREFILL, 0, list(range(40))))
+    forged = prefix.pack(prefix.chain(list(range(1000, 1032)), prefix.root("m", "r")))
+    assert await service.handle(Close(session_id=sid, epoch=0, keep=forged), "intruder") == []
+    assert key in service.endpoint.sessions and len(service.endpoint.shard.kv.kept) == 0
+    await service.handle(Close(session_id=sid, epoch=0, keep=forged), "owner")
+    assert key not in service.endpoint.sessions and len(service.endpoint.shard.kv.kept) == 1

@@ -441,3 +441,11 @@ def test_meshctl_sends_a_schema_or_grammar_file_and_refuses_a_bad_one(tmp_path, 
         assert message in capsys.readouterr().err
     # a good file: the request goes out, to no daemon
     assert ctl.main(["--socket", sock, "generate", "--json-schema", str(schema), "hi"]) == ctl.EXIT_DOWN
+
+
+def test_a_schema_nested_past_the_checkers_recursion_is_refused_not_a_crash():
+    deep: dict = {"type": "object"}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"x": deep}}
+    with pytest.raises(structured.Refused, match="nested too deeply"):
+        structured.check_schema(deep, "'schema'")

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -155,6 +156,24 @@ def test_tool_calls_named_required_and_auto(mesh):
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
 
 
+def test_a_pass_mixes_constrained_and_free_sessions(mesh):
+    """Generations at once share the hops' passes: the free ones give their solo text, the constrained ones
+    valid JSON, whatever they were batched with."""
+    _, a = mesh
+    api = client(a)
+    free = dict(model=a.status()["model"], messages=[{"role": "user", "content": "Tell me about the sea."}],
+                max_tokens=48, temperature=0)
+    bound = dict(model=a.status()["model"], messages=[{"role": "user", "content": CASES[2][0]}], max_tokens=300,
+                 temperature=0, response_format=schema_format(PERSON))
+    solo = api.chat.completions.create(**free).choices[0].message.content
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda ask: api.chat.completions.create(**ask).choices[0].message.content,
+                             [free, bound, free, bound]))
+    assert outs[0] == outs[2] == solo
+    for doc in (outs[1], outs[3]):
+        jsonschema.validate(json.loads(doc), PERSON)
+
+
 def test_a_hop_killed_mid_answer_keeps_it_valid(tmp_path):
     """Two servers of the middle third: the one in use is killed while a long constrained answer streams; the
     entry reroutes, the new tail's grammar is brought to where the old one was by the replay, and the answer
@@ -176,6 +195,10 @@ def test_a_hop_killed_mid_answer_keeps_it_valid(tmp_path):
         solo = subprocess.run(args, capture_output=True, text=True, timeout=600)
         assert solo.returncode == 0, solo.stderr
         jsonschema.validate(json.loads(solo.stdout), schema)
+        # a checked generation under the grammar: both routes mask, and agree
+        checked = subprocess.run([*args[:-1], "--verify", args[-1]], capture_output=True, text=True, timeout=600)
+        assert checked.returncode == 0, checked.stderr
+        assert json.loads(checked.stderr.strip().splitlines()[-1])["checked"] and checked.stdout == solo.stdout
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = proc.stdout.read(len(solo.stdout) // 3)
         (victim,) = [d for d in (b1, b2) if d.status()["sessions"] == 1]

@@ -39,6 +39,8 @@ def check_schema(schema, where: str) -> None:
     except SchemaError as exc:
         at = "/".join(str(p) for p in exc.path)
         raise Refused(f"{where} is not a valid JSON schema: {exc.message}" + (f" (at {at})" if at else "")) from None
+    except RecursionError:  # a schema nested some hundreds deep: refused, not a crash of the request
+        raise Refused(f"{where} is nested too deeply") from None
     validated(schema_grammar(schema), where)
 
 

@@ -236,7 +236,7 @@ class Entry:
             began = time.perf_counter()
             # what a grammar forces comes as drafts, whatever the load: the tail would sample nothing else
             # (plain decoding, --no-speculate, sends none)
-            forced = gen.forced(self.draft_max) if gen.check is None and req.speculate else []
+            forced = gen.forced(self.draft_max) if gen.check is None and req.speculate and self.speculate else []
             drafts = forced or (await self.propose(gen) if pays else [])
             position = len(gen.ids) + len(gen.tokens) - 1  # the last accepted token's
             if not drafts and (req.temperature == 0 or gen.drafts is None) and gen.check is None and at.alone_here():

@@ -167,6 +167,8 @@ class Routes:
             raise hop_error(hop.peer_id, reply)
         if not isinstance(reply, Opened):
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
+        if not 0 <= reply.reused <= len(asked) // prefix.HASH_BYTES * prefix.BLOCK:  # more than it was asked for
+            raise HopFailed(hop.peer_id, f"claims to hold {reply.reused} positions of a prefix of {len(asked)} bytes")
         return channel, reply.forwarding and nxt is not None, reply.reused
 
     async def _link_first_hop(self, at: Attempt, hop: Hop) -> bool:

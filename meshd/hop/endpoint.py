@@ -50,7 +50,7 @@ class ShardEndpoint:
         self.sessions = SessionTable()
         self.refused = 0  # sessions refused as busy
         self.ledger = None  # the daemon's work ledger: one row per session served for another peer
-        self._lltok = None  # the tokenizer as grammars see it, loaded for the first session with one
+        self.tokenizer = None  # a tail's (the head's too): what a grammar's tokens are (meshd/node/slot.py sets it)
 
     def handle(self, msg: Message, requester: str = "") -> list[Message]:
         """Answer one message; `requester` is the peer whose stream it came on ("": this daemon's entry)."""
@@ -158,13 +158,21 @@ class ShardEndpoint:
         reused = self.shard.reuse(key, requester, asked) if asked else 0
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch, reused=reused)]
 
-    def _constraint(self, msg: OpenSession) -> grammar.Constraint:
-        """The grammar a sampling session keeps to (this hop loads the tokenizer the first time one comes)."""
-        if self._lltok is None:
-            from meshd.shard.tokenizer import load_tokenizer
+    def opened_by(self, key: tuple[bytes, int], peer: str) -> bool:
+        """Whether session `key` is open here for `peer` (or not open at all: nothing to refuse)."""
+        session = self.sessions.get(key)
+        return session is None or session.requester == peer
 
-            self._lltok = grammar.ll_tokenizer(load_tokenizer(self.shard.artifact))
-        return grammar.Constraint(msg.grammar, self._lltok, msg.grammar_from)
+    def grammar_tokenizer(self):
+        """The tokenizer as grammars see it (`meshd/shard/grammar.py`), built the first time it is asked for,
+        from the tokenizer a tail keeps for it (`tokenizer`); ValueError where it has none."""
+        if self.tokenizer is None:
+            raise ValueError("this hop keeps no tokenizer: it cannot sample under a grammar")
+        return grammar.ll_tokenizer(self.tokenizer)
+
+    def _constraint(self, msg: OpenSession) -> grammar.Constraint:
+        """The grammar a sampling session keeps to."""
+        return grammar.Constraint(msg.grammar, self.grammar_tokenizer(), msg.grammar_from)
 
     def _forward(self, msg: Forward) -> list[Message]:
         return self.forward_batch([msg])[0]

@@ -63,10 +63,16 @@ class ShardService:
         self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
         self.outputs = Outputs(endpoint.sessions)  # where each session's outputs go (`dial` set by the slot)
 
-    async def handle(self, msg: Message) -> list[Message]:
-        """Answer one message: a Forward joins the next pass it can, the rest run in order."""
+    async def handle(self, msg: Message, peer: str | None = None) -> list[Message]:
+        """Answer one message: a Forward joins the next pass it can, the rest run in order. `peer`: the
+        daemon whose stream it came on (None: this daemon's entry), which may end only its own sessions
+        (a Close may keep its KV for that peer's later sessions: nobody else may say what it holds)."""
         if isinstance(msg, Forward):
             return await self._forward(msg)
+        if isinstance(msg, (Close, Cancel)) and peer is not None and not self.endpoint.opened_by(
+                (msg.session_id, msg.epoch), peer):
+            log.warning("a peer tried to end a session it did not open", peer=peer[-8:])
+            return []
         if isinstance(msg, (Close, Cancel)):
             self._cancel((msg.session_id, msg.epoch))
             await self.outputs.unlink((msg.session_id, msg.epoch))
@@ -81,6 +87,8 @@ class ShardService:
             return [Error(code=ErrorCode.BUSY, message="draining: this daemon is leaving the mesh", retriable=True,
                           request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
         key = (msg.session_id, msg.epoch)
+        if msg.grammar and msg.end == self.endpoint.shard.config.n_layers:  # its first grammar here builds the
+            await trio.to_thread.run_sync(self.endpoint.grammar_tokenizer)  # tokenizer's view (seconds for a big vocab)
         stale = self.endpoint.sessions.links(key)  # a reopened session starts afresh
         replies = await self.compute.run(self.endpoint.handle, msg, getattr(home, "peer", ""))
         await self.outputs.let_go(stale)

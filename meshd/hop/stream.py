@@ -249,7 +249,8 @@ async def _answer(service, channel: Channel, msg: Message) -> bool:
     if isinstance(msg, OpenSession):
         structlog.contextvars.bind_contextvars(request_id=msg.request_id, session=msg.session_id.hex()[:8])
     try:
-        answers = await (service.open_linked(msg, channel) if isinstance(msg, OpenSession) else service.handle(msg))
+        answers = await (service.open_linked(msg, channel) if isinstance(msg, OpenSession)
+                         else service.handle(msg, channel.peer))
     except Exception as exc:  # a bug in one session must not take the daemon down
         log.exception("shard request failed")
         answers = [Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",

@@ -220,7 +220,8 @@ class Daemon:
             return relay
         kv = self.slot.shard.kv
         return {"throughput": self.throughput, "free_sessions": self.slot.service.endpoint.free_sessions(),
-                "load": round(kv.used_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}
+                "load": round(kv.live_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}  # kept KV
+        # gives way to any session: it is room, not load
 
     async def open_range(self, start: int, end: int) -> Slot:
         """Load a range and everything that serves it, without touching what this daemon serves now."""

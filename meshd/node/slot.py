@@ -41,11 +41,11 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
         shard = Shard(artifact, start, end, recipe, kv_budget_bytes=settings.kv_budget, kv_ttl_s=settings.session_idle,
                       prefix_ttl_s=settings.prefix_ttl)
         tokenizer = None
-        if shard.is_head:
+        if shard.is_head or shard.is_tail:  # a tail samples under grammars, which are made of the tokenizer's tokens
             from meshd.shard.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(artifact)
-        else:
+        if not shard.is_head:
             artifact.forget_tokenizer()
         trim_heap()  # the tokenizer's conversion, or the dropped arrays, freed heap the shard's trim did not see
         return shard, tokenizer
@@ -54,12 +54,13 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
     endpoint = ShardEndpoint(shard, artifact.fingerprint, recipe_fp, max_sessions=settings.max_sessions,
                              idle_when_full=settings.session_idle_full)
     endpoint.ledger = ledger
+    endpoint.tokenizer = tokenizer
     service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
     service.stats.on_step = metrics.observe_pass
     service.outputs.dial = dial
     service.gather_s = settings.gather_ms / 1000
     throughput = await compute.run(measure_throughput, shard)
-    return Slot(shard, tokenizer, service, throughput)
+    return Slot(shard, tokenizer if shard.is_head else None, service, throughput)
 
 
 def measure_throughput(shard: Shard) -> float:

@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import torch
 
-MAX_GRAMMAR_BYTES = 48 << 10  # a grammar travels in a frame's header (64 KiB in all)
+MAX_GRAMMAR_BYTES = 40 << 10  # a grammar travels in a frame's header (64 KiB in all, 16 KiB of it a prefix chain's)
 
 
 class GrammarError(ValueError):

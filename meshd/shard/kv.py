@@ -230,16 +230,19 @@ class KVStore:
             self.kept.remove(kept)  # held aside while the copy makes room: room is never made of it
             try:
                 dest.reserve(0, n)
-                src: SessionKV = kept.value
-                for a, b in ((dest.k, src.k), (dest.v, src.v), (dest.sk, src.sk), (dest.sv, src.sv)):
-                    if b.numel():
-                        a[:, :, :, :n] = b[:, :, :, :n]
-                dest.commit(n)
             except KVBudgetExceeded:
                 n = 0
-            finally:
+        try:  # the copy outside the lock, which the event loop takes (admission, status): only this (compute)
+            src: SessionKV = kept.value  # thread writes caches, and the source is out of the index meanwhile
+            for a, b in ((dest.k, src.k), (dest.v, src.v), (dest.sk, src.sk), (dest.sv, src.sv)):
+                if n and b.numel():
+                    a[:, :, :, :n] = b[:, :, :, :n]
+        finally:
+            with self._lock:
+                dest.commit(n)
                 for dropped in self.kept.insert(kept.scope, kept.hashes, kept.value, kept.nbytes):
                     self._free(dropped.value)
+        with self._lock:
             stats = self.kept.stats
             stats.hits, stats.misses, stats.tokens_reused = stats.hits + bool(n), stats.misses + (not n), \
                 stats.tokens_reused + n

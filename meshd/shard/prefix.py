@@ -29,7 +29,8 @@ import numpy as np
 
 BLOCK = 16  # tokens a hash covers
 HASH_BYTES = 16
-MAX_BLOCKS = 2048  # a chain sent on the wire covers at most this many blocks (32 KiB of a frame's 64 KiB header)
+MAX_BLOCKS = 1024  # a chain sent on the wire covers at most this many blocks (16,384 tokens; 16 KiB of a frame's
+# 64 KiB header, which a grammar shares: meshd/shard/grammar.py)
 
 
 def root(model_fp: str, recipe_fp: str, table: int = 0) -> bytes:
