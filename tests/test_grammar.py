@@ -69,9 +69,10 @@ def test_a_masked_sampler_draws_only_what_the_grammar_allows_and_rejects_a_forbi
     logits[maybe] = 50.0  # what the model would say
     allowed = grammar.Constraint(g, lltok, 0).allowed(49152)
     assert not allowed[maybe] and 0 < int(allowed.sum()) < 20
-    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
-        token, logprob = Sampler(params).sample(logits, 5, grammar.Constraint(g, lltok, 0))
-        assert allowed[token] and logprob > -20
+    token, logprob = Sampler(SamplingParams()).sample(logits, 5, grammar.Constraint(g, lltok, 0))
+    assert allowed[token] and logprob == pytest.approx(-50, abs=0.1)  # greedy: the model's own log-probability
+    token, logprob = Sampler(SamplingParams(temperature=1.0, seed=3)).sample(logits, 5, grammar.Constraint(g, lltok, 0))
+    assert allowed[token] and logprob > -20  # sampled: of the distribution it was drawn from, the allowed tokens
     forbidden = tokenizer.encode('"maybe', add_special_tokens=False)
     c = grammar.Constraint(g, lltok, 0)
     rows = torch.zeros(len(forbidden) + 1, 49152)
