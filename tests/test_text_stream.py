@@ -103,3 +103,11 @@ def test_any_ids_stream_to_their_decode(smollm2, sentencepiece_like, data):
     for tok in (smollm2, sentencepiece_like):
         ids = data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=40))
         assert streamed(tok, ids) == by_whole_decodes(tok, ids)
+
+
+def test_bytes_that_form_no_character_inside_the_window_stream_as_the_whole_decode_has_them(smollm2):
+    """The example the property test above found: the window split the stray bytes into one replacement
+    character where the whole decode has two."""
+    ids = [197, 131, 3, 131, 259]
+    assert streamed(smollm2, ids) == by_whole_decodes(smollm2, ids)
+    assert "".join(streamed(smollm2, ids)) == smollm2.decode(ids, skip_special_tokens=True)
