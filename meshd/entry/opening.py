@@ -6,8 +6,10 @@ Rules: every open has a deadline (OPEN_TIMEOUT). A hop that cannot open a sessio
 waits). Each hop is told the next one, and passes its output on itself when forwarding is on; the
 entry's own outputs then go to the first hop over the service's shared link. Whatever was opened is
 released (the local session, a Close on every hop's stream) however the route ends, shielded from
-cancellation. The hop service, the mesh view and the stream opener are injected, so nothing here
-knows the `Entry` that uses it.
+cancellation; a route that finished its generation has every session keep the KV of its tokens, and the
+next generation extending them is planned onto it (`Affinity`) and prefills only what no session holds
+(`meshd/shard/prefix.py`). The hop service, the mesh view and the stream opener are injected, so nothing
+here knows the `Entry` that uses it.
 """
 
 from __future__ import annotations

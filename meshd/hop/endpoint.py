@@ -5,6 +5,9 @@ A session is opened only if the model and recipe fingerprints and the layer rang
 failure becomes an `Error` message for that session (never an exception out of `handle`), so a bad
 request cannot take down the daemon or touch another session. The tail samples and answers with a
 `Token` on the last prefill chunk and on every decode step.
+A session may open from KV kept of the same requester's earlier tokens (`OpenSession.prefix`, answered with
+`Opened.reused`; a `Close` with `keep` keeps it: `meshd/shard/prefix.py`), and a tail's session may sample
+under a grammar (`meshd/shard/grammar.py`), fed the generated ids the head sends on with its output (`fed`).
 """
 
 from __future__ import annotations
@@ -69,17 +72,17 @@ class ShardEndpoint:
         except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:  # GrammarError is a ValueError
             return self._failed(msg, exc)
 
-    def release(self, key: tuple[bytes, int], outcome: str = "failed", keep: list[bytes] = ()) -> int:
+    def release(self, key: tuple[bytes, int], outcome: str = "failed", keep: list[bytes] = ()) -> None:
         """Let a session go: `completed` when its entry closed it, `cancelled`, or `failed` (its
         stream was lost, or it sat idle past the KV TTL). With `keep` (the chain of the tokens its KV
         holds, `meshd/shard/prefix.py`) its KV is kept for a later session of the same requester that
-        extends those tokens: the positions kept."""
+        extends those tokens."""
         session = self.sessions.pop(key, None)
         self._record(session, outcome)
         if keep and session is not None:
-            return self.shard.keep(key, session.requester, list(keep))
-        self.shard.release(key)
-        return 0
+            self.shard.keep(key, session.requester, list(keep))
+        else:
+            self.shard.release(key)
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
         evicted = self.shard.evict_expired()
@@ -267,7 +270,6 @@ class ShardEndpoint:
             self.shard.trim((msg.session_id, msg.epoch), msg.position + accepted + 1)
         return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob,
                       accepted=accepted, tensors=sketch.carried(msg.tensors, out, state.layers))]
-
 
     @staticmethod
     def _fed(msg: Forward, state: HopSession) -> tuple[Tensor, ...]:

@@ -69,11 +69,10 @@ class ShardService:
         (a Close may keep its KV for that peer's later sessions: nobody else may say what it holds)."""
         if isinstance(msg, Forward):
             return await self._forward(msg)
-        if isinstance(msg, (Close, Cancel)) and peer is not None and not self.endpoint.opened_by(
-                (msg.session_id, msg.epoch), peer):
-            log.warning("a peer tried to end a session it did not open", peer=peer[-8:])
-            return []
         if isinstance(msg, (Close, Cancel)):
+            if peer is not None and not self.endpoint.opened_by((msg.session_id, msg.epoch), peer):
+                log.warning("a peer tried to end a session it did not open", peer=peer[-8:])
+                return []
             self._cancel((msg.session_id, msg.epoch))
             await self.outputs.unlink((msg.session_id, msg.epoch))
         return await self.compute.run(self.endpoint.handle, msg)
@@ -87,8 +86,9 @@ class ShardService:
             return [Error(code=ErrorCode.BUSY, message="draining: this daemon is leaving the mesh", retriable=True,
                           request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
         key = (msg.session_id, msg.epoch)
-        if msg.grammar and msg.end == self.endpoint.shard.config.n_layers:  # its first grammar here builds the
-            await trio.to_thread.run_sync(self.endpoint.grammar_tokenizer)  # tokenizer's view (seconds for a big vocab)
+        if msg.grammar and msg.end == self.endpoint.shard.config.n_layers and self.endpoint.tokenizer is not None:
+            # the first grammar here builds the tokenizer's view off the compute thread (seconds for a big vocab)
+            await trio.to_thread.run_sync(self.endpoint.grammar_tokenizer)
         stale = self.endpoint.sessions.links(key)  # a reopened session starts afresh
         replies = await self.compute.run(self.endpoint.handle, msg, getattr(home, "peer", ""))
         await self.outputs.let_go(stale)

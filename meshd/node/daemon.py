@@ -218,10 +218,9 @@ class Daemon:
         relay = self.relaying.record_fields()
         if self.slot is None:
             return relay
-        kv = self.slot.shard.kv
+        kv = self.slot.shard.kv  # its load is open sessions' KV: kept KV gives way to any session (room, not load)
         return {"throughput": self.throughput, "free_sessions": self.slot.service.endpoint.free_sessions(),
-                "load": round(kv.live_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}  # kept KV
-        # gives way to any session: it is room, not load
+                "load": round(kv.live_bytes / kv.budget_bytes, 4) if kv.budget_bytes else 0.0, **relay}
 
     async def open_range(self, start: int, end: int) -> Slot:
         """Load a range and everything that serves it, without touching what this daemon serves now."""

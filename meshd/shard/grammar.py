@@ -93,13 +93,7 @@ class Constraint:
 
     def allowed(self, n: int) -> torch.Tensor:
         """Which of `n` token ids may come next (bool [n]); ids past the tokenizer's vocabulary never."""
-        self._fill(self.matcher, self._bits, 0)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:min(n, self.vocab)]
-        out = torch.zeros(n, dtype=torch.bool)
-        out[:len(bits)] = torch.from_numpy(bits.astype(bool))
-        if not out.any():
-            raise GrammarError(f"the grammar allows no token here: {self.matcher.get_error() or 'stopped'}")
-        return out
+        return torch.isfinite(self.mask(torch.zeros(n)))
 
     def allows(self, token: int) -> bool:
         """Whether `token` may come next (one bit of the position's bitmask: no logits touched)."""

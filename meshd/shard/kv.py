@@ -215,15 +215,13 @@ class KVStore:
                 self._free(dropped.value)
             return blocks * BLOCK
 
-    def reuse(self, key: Hashable, scope: Hashable, hashes: list[bytes], most: int | None = None) -> int:
-        """Fill a new session's cache with the longest kept prefix of `hashes` in `scope` (at most `most`
-        positions, whole blocks); the positions filled (0: none kept, or no room for them)."""
+    def reuse(self, key: Hashable, scope: Hashable, hashes: list[bytes]) -> int:
+        """Fill a new session's cache with the longest kept prefix of `hashes` in `scope` (whole blocks);
+        the positions filled (0: none kept, or no room for them)."""
         with self._lock:
             dest = self._sessions.get(key)
             kept, blocks = self.kept.match(scope, hashes)
-            if most is not None:
-                blocks = min(blocks, most // BLOCK)
-            if dest is None or kept is None or blocks == 0 or dest.length:
+            if dest is None or kept is None or dest.length:
                 self.kept.stats.misses += dest is not None
                 return 0
             n = min(blocks * BLOCK, dest.max_length)
@@ -242,11 +240,11 @@ class KVStore:
                 dest.commit(n)
                 for dropped in self.kept.insert(kept.scope, kept.hashes, kept.value, kept.nbytes):
                     self._free(dropped.value)
-        with self._lock:
-            stats = self.kept.stats
-            stats.hits, stats.misses, stats.tokens_reused = stats.hits + bool(n), stats.misses + (not n), \
-                stats.tokens_reused + n
-            return n
+                stats = self.kept.stats
+                stats.hits += bool(n)
+                stats.misses += not n
+                stats.tokens_reused += n
+        return n
 
     def _make_room(self, delta: int) -> None:
         """Free kept KV, the least recently used first, until `delta` more bytes fit (or none is left)."""
