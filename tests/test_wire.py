@@ -55,6 +55,15 @@ def all_messages():
         w.StatusRequest(request_id=5),
         w.DrainRequest(request_id=6, exit=True),
         w.LedgerRequest(request_id=7, since=1.8e9, peer="12D3KooPeer"),
+        w.Leaving(session_id=SID, epoch=2),
+        w.HandOver(session_id=SID, epoch=2, peer="12D3KooR", addrs="/ip4/127.0.0.1/tcp/1", ticket=bytes(16),
+                   positions=64),
+        w.AcceptKV(ticket=bytes(16), sender="12D3KooD", start=10, end=20, rope_table=0, positions=32,
+                   chain=bytes(32), model_fingerprint="m", recipe_fingerprint="r"),
+        w.KVChunk(ticket=bytes(16), position=16, tensors=(
+            w.Tensor.from_torch("k", torch.zeros(2, 1, 3, 16, 8, dtype=torch.bfloat16)),
+            w.Tensor.from_torch("v", torch.ones(2, 1, 3, 16, 8, dtype=torch.bfloat16)))),
+        w.HandedOver(session_id=SID, epoch=2, ticket=bytes(16), positions=0, reason="receiver died"),
     ]
 
 

@@ -140,6 +140,7 @@ class _Live:
         yield from ledger_metrics(self.daemon.ledger.totals())
         yield from check_metrics(st.get("checks") or {})
         yield from prefix_metrics(st.get("prefix_cache") or {})
+        yield from handover_metrics(st.get("handovers") or {})
 
 
 def ledger_metrics(totals: dict):
@@ -170,6 +171,20 @@ def prefix_metrics(cache: dict):
                       ("evictions", "Kept entries dropped for room or idle past the TTL, since start")):
         family = CounterMetricFamily(f"meshd_prefix_{name}", doc)
         family.add_metric([], cache.get(name, 0))
+        yield family
+
+
+def handover_metrics(h: dict):
+    """Hand-overs (meshd/hop/handover.py), as a hop and as an entry, since start."""
+    for name, doc in (("sent", "Sessions whose KV this daemon handed to a replica when it left"),
+                      ("received", "Hand-overs of another daemon's sessions this daemon took whole"),
+                      ("failed", "Hand-overs that ended without the KV kept, either side"),
+                      ("refused", "KV chunks refused: nobody asked this daemon to take them"),
+                      ("positions", "KV positions handed over whole, sent or received"),
+                      ("moved", "Routes this entry moved off a leaving hop with its KV"),
+                      ("replayed", "Routes this entry moved off a leaving hop by replay (its hand-over failed)")):
+        family = CounterMetricFamily(f"meshd_handover_{name}", doc + ", since start")
+        family.add_metric([], h.get(name, 0))
         yield family
 
 

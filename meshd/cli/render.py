@@ -71,6 +71,16 @@ def prompt_line(stats: dict) -> str:
     return f"prompt {stats.get('prompt_tokens', 0):,} tokens" + (f" ({cached:,} reused)" if cached else "")
 
 
+def handover_line(h: dict | None) -> str:
+    """Hand-overs: sessions' KV this daemon sent when it left and took from others that left, and the routes
+    its entry moved off a leaving hop (with the KV, or replayed where the hand-over failed)."""
+    if not h:
+        return "handover  unknown"
+    return (f"handover  {h.get('sent', 0)} sent, {h.get('received', 0)} received ({h.get('positions', 0):,} positions),"
+            f" {h.get('failed', 0)} failed, {h.get('refused', 0)} refused; routes moved {h.get('moved', 0)},"
+            f" replayed {h.get('replayed', 0)}")
+
+
 def check_lines(checks: dict | None) -> list[str]:
     """Checked generations (a second route a token must agree with) and the peers excluded after one."""
     if not checks:
@@ -145,7 +155,7 @@ def render_status(st: dict) -> str:
              f"memory    {st.get('weight_bytes', 0) / 1e6:.1f} MB weights, {st.get('rss_bytes', 0) / 1e6:.0f} MB resident"
              f" (loaded in {st.get('load_s') or 0:.2f} s)",
              sessions_line(st), prefix_line(st), load_line(st), draft_line(st.get("speculation")),
-             *check_lines(st.get("checks"))]
+             handover_line(st.get("handovers")), *check_lines(st.get("checks"))]
     lines += [f"moved     {st['moved']}"] if st.get("moved") else []
     lines += [f"addr      {a}" for a in st["addrs"]]
     lines.append(mesh_key_line(st.get("mesh_key")))

@@ -70,6 +70,17 @@ def plan_moves(coverage: CoverageMap) -> list[Move]:
     return moves
 
 
+def takes_part(takes_new_work: bool, now: float, cooldown_until: float) -> bool:
+    """Whether a serving daemon is planned in this round: it takes new work and the cooldown of its
+    last move is over (meanwhile its record says it stays put)."""
+    return takes_new_work and now >= cooldown_until
+
+
+def still_named(move: Move | None, aim: tuple[int, int]) -> bool:
+    """After the random wait: the fresh plan still names this daemon, for the same target."""
+    return move is not None and move.to == aim
+
+
 def own_move(coverage: CoverageMap, peer_id: str) -> Move | None:
     """This peer's line of the plan, if it has one."""
     return next((m for m in plan_moves(coverage) if m.peer_id == peer_id), None)

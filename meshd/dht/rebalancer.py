@@ -21,7 +21,7 @@ from typing import Protocol
 import trio
 
 from meshd.dht.placement import place
-from meshd.dht.rebalance import Move, Persistence, own_move
+from meshd.dht.rebalance import Move, Persistence, own_move, still_named, takes_part
 from meshd.dht.view import MeshView
 from meshd.node.log import get_logger
 from meshd.shard.footprint import MemoryRefused, weight_bytes
@@ -95,7 +95,7 @@ class Rebalancer:
         persist = Persistence(PERSIST_ROUNDS, self.mesh.ttl_s)
         while True:
             await trio.sleep(REBALANCE_PERIOD_S)
-            if not self.daemon.lifecycle.takes_new_work or trio.current_time() < self.cooldown_until:
+            if not takes_part(self.daemon.lifecycle.takes_new_work, trio.current_time(), self.cooldown_until):
                 persist.reset()
                 continue
             if self.mesh.record.auto_layers == 0:  # the cooldown is over: take part in plans again
@@ -107,7 +107,7 @@ class Rebalancer:
             await trio.sleep(random.uniform(*MOVE_JITTER_S))
             await self.mesh.refresh()
             move = own_move(self.mesh.coverage, self.mesh.peer_id)
-            if move is not None and move.to == aim and self.daemon.lifecycle.takes_new_work:
+            if still_named(move, aim) and self.daemon.lifecycle.takes_new_work:
                 await self.move(move)
 
     async def move(self, move: Move) -> None:
@@ -130,6 +130,7 @@ class Rebalancer:
             return
         old = d.switch_to(loaded)
         old.service.retired = True  # its streams' sessions finish; new sessions come to the new shard
+        await old.service.announce_leaving()  # their entries may hand them over to a replica (meshd/hop/handover.py)
         await self.mesh.publish(start=start, end=end, serving=True, auto_layers=0, **d.live_fields())
         self.last_move = {"from": [move.start, move.end], "to": [start, end], "at": time.time(),
                           "reason": move.reason}

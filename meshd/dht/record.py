@@ -110,6 +110,17 @@ def best_index(values: list[bytes], now: float | None = None) -> int:
     return max(range(len(values)), key=lambda i: ranks[i])
 
 
+def republish_every(ttl_s: float) -> float:
+    """How often a daemon republishes its record: at half its TTL, so one lost push costs nothing."""
+    return ttl_s / 2
+
+
+def needs_pull(pushed: CoverageRecord | None, now: float, ttl_s: float) -> bool:
+    """Whether a peer's record must be asked for rather than read from what was pushed here: none
+    was pushed, or the copy has a third of its TTL or less left."""
+    return pushed is None or pushed.expires_at - now <= ttl_s / 3
+
+
 def first_seq(now: float | None = None) -> int:
     """The sequence number a daemon starts from: wall-clock milliseconds, so that the records of a
     restarted daemon (same identity) beat those of its previous run, which peers keep as the highest
@@ -117,6 +128,7 @@ def first_seq(now: float | None = None) -> int:
     return int((time.time() if now is None else now) * 1000)
 
 
-def bump(record: CoverageRecord, ttl_s: float, **changes) -> CoverageRecord:
-    """The next version of a record: seq + 1, a fresh expiry, and any changed fields."""
-    return replace(record, seq=record.seq + 1, expires_at=time.time() + ttl_s, **changes)
+def bump(record: CoverageRecord, ttl_s: float, now: float | None = None, **changes) -> CoverageRecord:
+    """The next version of a record: seq + 1, a fresh expiry (from `now`, default the wall clock),
+    and any changed fields."""
+    return replace(record, seq=record.seq + 1, expires_at=(time.time() if now is None else now) + ttl_s, **changes)

@@ -21,7 +21,7 @@ from libp2p.peer.id import ID
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.kad import KadWalker
 from meshd.dht.records import LOOKUP_TIMEOUT, RecordReader
-from meshd.dht.record import CoverageRecord, bump, record_key, sign_record
+from meshd.dht.record import CoverageRecord, bump, needs_pull, record_key, republish_every, sign_record
 from meshd.node.log import get_logger
 
 COVERAGE_INTERVAL = 1.0  # a round that reads only pushed records costs no network traffic
@@ -96,7 +96,7 @@ class MeshView:
     async def publish_loop(self, live_fields=None) -> None:
         """Republish every half TTL; `live_fields()` supplies fresh throughput, load, capacity."""
         while True:
-            await trio.sleep(self.ttl_s / 2)
+            await trio.sleep(republish_every(self.ttl_s))
             try:
                 changes = live_fields() if live_fields else {}
             except Exception:  # a bad number must not stop the record from being refreshed
@@ -144,7 +144,7 @@ class MeshView:
                 for pid in candidates:
                     pushed = self.records.stored(pid, now)
                     take(pid, pushed)
-                    if pushed is not None and pushed.expires_at - now > self.ttl_s / 3:
+                    if not needs_pull(pushed, now, self.ttl_s):
                         continue  # pushed and fresh: its owner republishes long before it lapses
                     if self._next_pull.get(pid, (0.0, 0.0))[0] <= clock:
                         nursery.start_soon(pull, pid)

@@ -25,7 +25,8 @@ from meshd.entry.state import Generation
 from meshd.hop.endpoint import token_frame
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.wire import Error, ErrorCode, Forward, Heartbeat, Message, Phase, Token, WireError, chunk_spans
+from meshd.wire import (Error, ErrorCode, Forward, HandedOver, Heartbeat, Leaving, Message, Phase, Token, WireError,
+                        chunk_spans)
 
 STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
 HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
@@ -66,6 +67,11 @@ class Attempt:
         self.reused: int | None = None  # prompt positions every session of the route holds already (the least of
         # what each opened with: see meshd/shard/prefix.py); the prefill starts there
         self.completed = False  # the generation finished on this route: its hops may keep its KV
+        self.leaving: list[str] = []  # hops that said they leave (`Leaving`), in the order they said it
+        self.left = trio.Event()  # set at the first of them
+        self.handed: dict[str, HandedOver] = {}  # how each leaving hop's hand-over ended, once it has
+        self.handed_event = trio.Event()  # set at each answer (then replaced)
+        self.move = None  # the `Moved` that ends this try at the next step boundary (meshd/entry/opening.py)
 
     def opened_with(self, reused: int) -> None:
         """One more session of the route opened holding `reused` positions of the prompt."""
@@ -127,6 +133,9 @@ class Attempt:
             self.heard[peer] = trio.current_time()
             if isinstance(msg, Heartbeat):
                 continue
+            if isinstance(msg, (Leaving, HandedOver)):
+                self.hand_over_news(peer, msg)
+                continue
             if isinstance(msg, Error):  # mid-generation: another route may well do
                 i = self.index(peer)
                 if msg.code == ErrorCode.NEXT_HOP_FAILED and i + 1 < len(self.hops):
@@ -142,6 +151,26 @@ class Attempt:
                 await self.tokens_send.send(msg)  # tokens_recv also gets link errors: see LinkErrors
             elif isinstance(msg, Forward) and nxt is not None:
                 await self.send(nxt[0], nxt[1], msg)
+
+    def hand_over_news(self, peer: str, msg: Leaving | HandedOver) -> None:
+        """A hop says it leaves, or how the hand-over of its session went (`meshd/hop/handover.py`)."""
+        if (msg.session_id, msg.epoch) != (self.sid, self.epoch):
+            return
+        if isinstance(msg, Leaving):
+            if peer not in self.leaving:
+                self.leaving.append(peer)
+                self.left.set()
+            return
+        self.handed[peer] = msg
+        woken, self.handed_event = self.handed_event, trio.Event()
+        woken.set()
+
+    async def handed_over(self, peer: str, timeout: float) -> HandedOver | None:
+        """How `peer`'s hand-over ended (None: no answer within `timeout`)."""
+        with trio.move_on_after(timeout):
+            while peer not in self.handed:
+                await self.handed_event.wait()
+        return self.handed.get(peer)
 
     async def send(self, peer: str, channel: Channel, msg: Message) -> None:
         try:

@@ -1,6 +1,6 @@
 """How a generation fails: a hop that failed or is full (`HopFailed`), or the generation itself
 (`GenerationError`, with the wire's error code the client gets); and how a try at it ends on purpose
-to start again (`SwitchTable`)."""
+to start again (`SwitchTable`, `Moved`)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             exc = first_of(exc)
-        if isinstance(exc, (HopFailed, GenerationError, RoutesDisagree, SwitchTable)):
+        if isinstance(exc, (HopFailed, GenerationError, RoutesDisagree, SwitchTable, Moved)):
             return exc
     return group
 
@@ -83,3 +83,15 @@ class SwitchTable(Exception):
     def __init__(self, length: int, switch: int):
         self.length, self.switch = length, switch
         super().__init__(f"the sequence of {length} positions is past the short RoPE table's {switch}")
+
+
+class Moved(Exception):
+    """A hop of the route leaves on purpose (`Leaving`): the try ends at a step boundary, and the next one goes
+    over `route`, the same hops but the leaving one's replica, which holds the KV it handed over
+    (`meshd/hop/handover.py`): only the positions since are computed. With `route` None the hand-over failed
+    (`reason`), and the next try is planned without the leaving hop and replays. Not a failure of any hop."""
+
+    def __init__(self, peer_id: str, route=None, positions: int = 0, reason: str = ""):
+        self.peer_id, self.route, self.positions, self.reason = peer_id, route, positions, reason
+        super().__init__(f"hop {peer_id[-8:]} leaves: " + (f"{positions} positions handed over" if route is not None
+                                                           else f"hand-over failed ({reason})"))

@@ -31,7 +31,7 @@ from meshd.entry.attempt import Attempt
 from meshd.entry.checked import run_checked, settle_disagreement
 from meshd.entry.checks import Check, Exclusions, chosen
 from meshd.entry.drafts import DRAFT_MAX, Drafts, StepCosts, worth_drafting
-from meshd.entry.errors import GenerationError, HopFailed, RoutesDisagree, SwitchTable, first_of, outcome_of
+from meshd.entry.errors import GenerationError, HopFailed, Moved, RoutesDisagree, SwitchTable, first_of, outcome_of
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.opening import Routes
 from meshd.entry.policy import BUSY_WAIT_S, Retries
@@ -67,6 +67,7 @@ class Entry:
         self.exclusions = Exclusions() if exclusions is None else exclusions  # peers kept off routes (the
         # daemon's, shared by its entries across moves; its times are time.monotonic())
         self.checked = self.disagreed = 0  # generations checked on two routes, and of those, disagreements
+        self.handovers = self.handover_fallbacks = 0  # routes moved off a leaving hop: its KV handed over, or replayed
         self.routes = Routes(service, mesh, open_stream, end=end, model_fp=model_fp, recipe_fp=recipe_fp,
                              forwarding=forwarding, microbatches=microbatches, microbatch_use=self.microbatch_use,
                              exclusions=self.exclusions,  # plans and opens this range's routes
@@ -143,6 +144,7 @@ class Entry:
         retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s,
                           lapse_wait_s=self.mesh.ttl_s)
         disagreed: RoutesDisagree | None = None  # two routes' tokens differed: a third route must settle it
+        route: Route | None = None  # the next try's route, when it is chosen already (a hand-over's)
         while True:
             try:
                 try:
@@ -152,7 +154,8 @@ class Entry:
                     if gen.check is not None:
                         await run_checked(self, req, gen, sampling, retries, text, emit)
                     else:
-                        await self.attempt(req, gen, sampling, retries, text, emit)
+                        route, chosen_route = None, route
+                        await self.attempt(req, gen, sampling, retries, text, emit, chosen_route)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
@@ -160,6 +163,13 @@ class Entry:
                 disagreed = exc
             except SwitchTable:  # the next try opens its sessions on the long table (see Routes.open_route)
                 pass
+            except Moved as exc:  # a hop left: its replica holds its KV (else the next route goes without it)
+                retries.left(exc.peer_id)
+                route, gen.resume = exc.route, exc.route is not None
+                gen.handovers += exc.route is not None
+                gen.handover_fallbacks += exc.route is None
+                self.handovers += exc.route is not None
+                self.handover_fallbacks += exc.route is None
             except HopFailed as exc:
                 if exc.busy_s is not None:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
@@ -208,8 +218,10 @@ class Entry:
         """The prompt through the route (on a longrope model's long table, with the tokens generated
         before it took over), then (after a reroute) the tokens so far: the token after them (`extra`
         tensors go with the last replayed frame: a sketch request)."""
-        prefill, fed_back = gen.prefill_ids, gen.fed_back
-        token = await at.prefill(prefill, gen.reused)  # from what every session of the route holds already
+        prefill, fed_back, start = gen.prefill_ids, gen.fed_back, gen.start_at
+        if start >= len(prefill):  # the route holds the prompt and some generated tokens (a hand-over's KV)
+            return await at.replay(fed_back[start - len(prefill):], start, extra)
+        token = await at.prefill(prefill, start)  # from what every session of the route holds already
         if fed_back:  # a replay after rerouting feeds back what was generated
             token = await at.replay(fed_back, len(prefill), extra)
         return token
@@ -229,6 +241,9 @@ class Entry:
             if gen.past_switch:  # the next position needs the long table: this route's sessions cannot go on
                 await self.emit_tokens(req, gen, text, taken, emit)
                 raise SwitchTable(len(gen.ids) + len(gen.tokens), gen.switch)
+            if at.move is not None:  # a hop left: the next route starts from the KV it handed over
+                await self.emit_tokens(req, gen, text, taken, emit)
+                raise at.move
             # greedy text is the same with drafts or without, so a greedy generation drafts only where
             # it pays; a sampled one's text depends on which steps drafted, and a seed must give the
             # same text whatever the load, so it drafts as its draft length says

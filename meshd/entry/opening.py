@@ -23,17 +23,18 @@ import trio
 from meshd.entry.affinity import Affinity
 from meshd.entry.attempt import Attempt, LinkErrors
 from meshd.entry.checks import Exclusions
-from meshd.entry.errors import GenerationError, HopFailed, hop_error
+from meshd.entry.errors import GenerationError, HopFailed, Moved, hop_error
 from meshd.entry.microbatch import Microbatches
-from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around, route_along
+from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around, replaced, route_along
 from meshd.entry.state import Generation, open_session
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard import prefix
-from meshd.wire import Close, Error, ErrorCode, Opened, WireError
+from meshd.wire import AcceptKV, Close, Error, ErrorCode, HandOver, Opened, WireError
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 OPEN_TIMEOUT = 30.0  # the longest opening a session (dial, negotiation, answer) or the link to the first hop may take
+HANDOVER_WAIT_S = 20.0  # the longest an entry waits for a leaving hop's KV to reach its replica
 log = get_logger(__name__)
 
 
@@ -105,7 +106,7 @@ class Routes:
                                                                      microbatch, asked)
                     at.add_hop(hop.peer_id, channel, forwards)
                     at.opened_with(reused)
-                gen.started_from(min(at.reused or 0, max(0, len(gen.prefill_ids) - 1)))
+                gen.started_from(at.reused or 0)
                 if at.hops and self.forwarding:
                     at.linked = await self._link_first_hop(at, route.hops[0])
                 for i, (peer, channel) in enumerate(at.hops):
@@ -113,14 +114,19 @@ class Routes:
                     nursery.start_soon(at.pump, peer, channel, nxt)
                 if at.hops:
                     nursery.start_soon(at.keepalive)
+                if at.hops and reuse and gen.check is None and not gen.grammar:
+                    nursery.start_soon(self._when_a_hop_leaves, at, route, gen)
                 yield at
                 nursery.cancel_scope.cancel()
         finally:
             self.microbatch_use.give(microbatch)
             # a route that finished its generation keeps the KV of its tokens on every hop, for a later
             # generation that extends them (a chat's next turn); any other end frees it
-            held = gen.prefix_held(self.root(gen)) if reuse and at.completed and gen.done else []
-            if held:
+            # so does a route one of whose hops left, handing its KV over: the next route is the same hops
+            # but that one's replica, and starts from it all
+            moving = at.move is not None and at.move.route is not None
+            held = gen.prefix_held(self.root(gen)) if reuse and (at.completed and gen.done or moving) else []
+            if held and not moving:
                 self.affinity.remember(held, route.describe())
             with trio.CancelScope(shield=True):
                 await self.service.release((sid, epoch), held)
@@ -131,6 +137,52 @@ class Routes:
                         except ChannelClosed:
                             pass
                         await channel.aclose()
+
+    async def _when_a_hop_leaves(self, at: Attempt, route: Route, gen: Generation) -> None:
+        """When a hop of the route says it leaves, have its KV handed over to a replica (`meshd/hop/handover.py`)
+        while the generation goes on; the try then ends at the next step boundary (`at.move`) and the next one
+        runs over the same hops with the replica in its place, from the KV handed over. If the hand-over fails,
+        the next try is planned without the leaving hop and replays (a hop that leaves waits for nobody)."""
+        await at.left.wait()
+        peer = at.leaving[0]
+        try:
+            at.move = await self._hand_over(at, route, peer, gen)
+        except Exception as exc:  # a replica that cannot be reached or refuses: replay instead
+            at.move = Moved(peer, reason=f"{type(exc).__name__}: {exc}")
+        log.info("a hop leaves: " + ("its KV was handed over" if at.move.route is not None else "replaying without it"),
+                 peer=peer[-8:], positions=at.move.positions, reason=at.move.reason or None)
+
+    async def _hand_over(self, at: Attempt, route: Route, peer: str, gen: Generation) -> Moved:
+        """Ask a replica of leaving hop `peer`'s layers to take its session's KV, and `peer` to send it there."""
+        coverage = self.mesh.coverage.serving()
+        links = link_latency(coverage.records, dict(self.mesh.latency))
+        new = replaced(coverage, self.end, route, peer, links, {self.mesh.peer_id} | self.exclusions.active(time.monotonic()))
+        held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
+        if new is None or not held:
+            return Moved(peer, reason="no other hop serves its layers" if new is None else "under one block computed")
+        i = next(i for i, h in enumerate(route.hops) if h.peer_id == peer)
+        hop, target = route.hops[i], new.hops[i]
+        ticket, positions = os.urandom(16), len(held) * prefix.BLOCK
+        with trio.fail_after(OPEN_TIMEOUT):
+            stream = await self.open_stream(target.peer_id, target.addrs, SHARD_PROTOCOL)
+            channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+            try:
+                await channel.send(AcceptKV(ticket=ticket, sender=peer, start=hop.start, end=hop.end,
+                                            rope_table=gen.rope_table, positions=positions, chain=prefix.pack(held),
+                                            model_fingerprint=self.model_fp, recipe_fingerprint=self.recipe_fp))
+                reply = await channel.receive(OPEN_TIMEOUT)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await channel.aclose()
+        if not isinstance(reply, Opened):
+            return Moved(peer, reason=f"its replica refused: {getattr(reply, 'message', type(reply).__name__)}")
+        await at.hops[at.index(peer)][1].send(HandOver(session_id=at.sid, epoch=at.epoch, peer=target.peer_id,
+                                                       addrs=" ".join(target.addrs), ticket=ticket,
+                                                       positions=positions))
+        done = await at.handed_over(peer, HANDOVER_WAIT_S)
+        if done is None or done.positions <= 0:
+            return Moved(peer, reason=done.reason if done is not None else "no answer in time")
+        return Moved(peer, new, done.positions)
 
     def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0, asked=b""):
         forward = nxt is not None and self.forwarding

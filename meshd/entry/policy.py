@@ -70,6 +70,11 @@ class Retries:
         self.failed.add(exc.peer_id)
         self.reroutes += 1
 
+    def left(self, peer: str) -> None:
+        """A hop left on purpose (`meshd/entry/errors.py`, `Moved`): later routes go without it, and it is no failure."""
+        self.epoch += 1
+        self.failed.add(peer)
+
     def after_refusal(self, exc: GenerationError, now: float) -> float:
         """No route had room (every route left runs through a full hop, or this daemon's own layers
         are full): the seconds to wait before trying again, the busy hops forgiven."""

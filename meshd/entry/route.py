@@ -159,3 +159,27 @@ def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed:
         except NoRoute:
             pass
         raise
+
+
+def replaced(coverage: CoverageMap, start: int, route: Route, peer: str, latency: Callable[[str], float],
+             exclude: set[str] | frozenset[str] = frozenset()) -> Route | None:
+    """`route` with hop `peer` replaced by the serving peer that covers the same layers (entered anywhere,
+    left at the same end, as `route_along` requires), not leaving, not on the route already and not in
+    `exclude`, whose route costs least (ties: peer id); None where no such peer is. A hop that leaves on
+    purpose hands its sessions' KV to it (`meshd/hop/handover.py`)."""
+    i = next((i for i, h in enumerate(route.hops) if h.peer_id == peer), None)
+    if i is None:
+        return None
+    hop, on_route = route.hops[i], {h.peer_id for h in route.hops}
+    best = None
+    for r in coverage.records:
+        if r.peer_id in on_route or r.peer_id in exclude or getattr(r, "leaving", False):
+            continue
+        if not (r.start <= hop.start < r.end == hop.end):
+            continue
+        spans = [[h.peer_id, h.start, h.end] if j != i else [r.peer_id, hop.start, hop.end]
+                 for j, h in enumerate(route.hops)]
+        new = route_along(coverage, start, spans, latency, exclude)
+        if new is not None and (best is None or (new.cost_s, r.peer_id) < (best.cost_s, best.hops[i].peer_id)):
+            best = new
+    return best

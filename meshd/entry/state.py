@@ -59,6 +59,10 @@ class Generation:
     skipped: dict[int, int] = field(default_factory=dict)  # attempt -> prompt positions its route did not compute
     grammar: str = ""  # what every generated token keeps to (meshd/shard/grammar.py); the hop that samples masks
     guide: Constraint | None = None  # the grammar's state after the tokens so far, here: its forced tokens are drafts
+    resume: bool = False  # the next route may start from KV of the generated tokens too (a hand-over's route)
+    start_at: int = 0  # positions the current route started with (kept or handed-over KV): it computes from there
+    handovers: int = 0  # routes switched because a hop left, its KV handed over (meshd/hop/handover.py)
+    handover_fallbacks: int = 0  # ... and those whose hand-over failed: replayed on a route without it
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset(),
@@ -112,7 +116,7 @@ class Generation:
         """The chain of the tokens a route's sessions may start from, kept: the prefill but its last token
         (the tail must compute a position to sample from), and under a grammar the prompt's only (the
         sampling hop's grammar must be fed every generated token). Empty when reuse is off."""
-        ids = self.prefill_ids[:-1]
+        ids = (self.prefill_ids + self.fed_back if self.resume else self.prefill_ids)[:-1]
         return prefix.chain(ids[:len(self.ids)] if self.grammar else ids, root) if self.reuse else []
 
     def prefix_held(self, root: bytes) -> list[bytes]:
@@ -136,11 +140,16 @@ class Generation:
                 for i, ((route, _), end) in enumerate(zip(self.attempts, ends))]
 
     def started_from(self, reused: int) -> None:
-        """The route just opened holds the first `reused` prompt positions already (kept KV): its prefill
-        starts there, and they are not counted as its work."""
-        self.reused = reused
+        """The route just opened holds the first `reused` positions already (kept KV, or handed over after a
+        hop left: `resume`): it computes from there (the last position at least, to sample after it), and
+        they are not counted as its work. `reused` (the client's cached prompt tokens) counts kept KV only."""
+        total = len(self.prefill_ids) + (len(self.fed_back) if self.resume else 0)
+        self.start_at = min(reused, max(0, total - 1))
+        if not self.resume:
+            self.reused = self.start_at
+        self.resume = False
         if self.attempts:
-            self.skipped[len(self.attempts) - 1] = reused
+            self.skipped[len(self.attempts) - 1] = self.start_at
 
     def accept(self, token: int) -> bool:
         """Take the next generated token; True when it is the last one."""
@@ -197,7 +206,8 @@ class Generation:
         first = self.first_token_at or end
         return {"ttft_s": round(first - self.started_at, 4), "tokens": n, "prompt_tokens": len(self.ids),
                 "finish": "stop" if self.tokens and self.tokens[-1] in self.stop else "length",
-                "cached_tokens": self.reused,
+                "cached_tokens": self.reused, "handovers": self.handovers,
+                **({"handover_fallbacks": self.handover_fallbacks} if self.handover_fallbacks else {}),
                 "decode_tok_per_s": round((n - 1) / (end - first), 2) if n > 1 and end > first else None,
                 "drafted": self.drafted, "accepted": self.accepted_drafts,
                 **(self.check.stats() if self.check is not None else {"checked": False, "verified": False}),

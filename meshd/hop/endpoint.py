@@ -8,6 +8,7 @@ request cannot take down the daemon or touch another session. The tail samples a
 A session may open from KV kept of the same requester's earlier tokens (`OpenSession.prefix`, answered with
 `Opened.reused`; a `Close` with `keep` keeps it: `meshd/shard/prefix.py`), and a tail's session may sample
 under a grammar (`meshd/shard/grammar.py`), fed the generated ids the head sends on with its output (`fed`).
+KV a leaving hop hands over comes only as an entry asked for it (`AcceptKV`, then `KVChunk`s: `meshd/hop/handover.py`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import torch
 
 from meshd.hop import sketch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity
+from meshd.hop.handover import HandOverRefused, Incoming
 from meshd.hop.sessions import HopSession, SessionTable
 from meshd.shard import grammar, prefix
 from meshd.shard.kv import CacheMiss, KVBudgetExceeded
 from meshd.shard.batch import PASS, SCORE, STEPS
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import Sampler, SamplingParams
-from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Tensor,
-                        Token)
+from meshd.wire import (AcceptKV, Cancel, Close, Error, ErrorCode, Forward, KVChunk, Message, OpenSession, Opened,
+                        Phase, Tensor, Token)
 
 TOKENS, HIDDEN, DRAFTS, FED = "tokens", "hidden", "drafts", "fed"  # fed: a frame's token ids, carried to the
 # hop that samples under a grammar (its input: meshd/shard/grammar.py)
@@ -54,6 +56,7 @@ class ShardEndpoint:
         self.refused = 0  # sessions refused as busy
         self.ledger = None  # the daemon's work ledger: one row per session served for another peer
         self.tokenizer = None  # a tail's (the head's too): what a grammar's tokens are (meshd/node/slot.py sets it)
+        self.incoming = Incoming(shard)  # KV other hops hand over to this one (meshd/hop/handover.py)
 
     def handle(self, msg: Message, requester: str = "") -> list[Message]:
         """Answer one message; `requester` is the peer whose stream it came on ("": this daemon's entry)."""
@@ -68,9 +71,27 @@ class ShardEndpoint:
             if isinstance(msg, Cancel):
                 self.release((msg.session_id, msg.epoch), "cancelled")
                 return []
+            if isinstance(msg, AcceptKV):
+                return self._accept_kv(msg, requester)
+            if isinstance(msg, KVChunk):
+                done = self.incoming.chunk(msg, requester)
+                return [done] if done is not None else []
             return [Error(code=ErrorCode.BAD_FRAME, message=f"a shard does not take {type(msg).__name__}")]
+        except HandOverRefused as exc:
+            return [self._error(msg, ErrorCode.BAD_FRAME, str(exc))]
         except (KVBudgetExceeded, CacheMiss, ValueError, TypeError) as exc:  # GrammarError is a ValueError
             return self._failed(msg, exc)
+
+    def _accept_kv(self, msg: AcceptKV, requester: str) -> list[Message]:
+        """Take a hand-over an entry asks for (answered `Opened` with the ticket as session id), or refuse it."""
+        if (msg.model_fingerprint, msg.recipe_fingerprint) != (self.model_fp, self.recipe_fp):
+            return [self._error(msg, ErrorCode.MODEL_MISMATCH, "a hand-over of another model or recipe")]
+        try:
+            self.incoming.accept(msg, requester)
+        except KVBudgetExceeded as exc:
+            return [replace(self._error(msg, ErrorCode.BUSY, f"busy: {exc}", retriable=True),
+                            retry_after_s=BUSY_RETRY_S)]
+        return [Opened(request_id=0, session_id=msg.ticket, epoch=0)]
 
     def release(self, key: tuple[bytes, int], outcome: str = "failed", keep: list[bytes] = ()) -> None:
         """Let a session go: `completed` when its entry closed it, `cancelled`, or `failed` (its
@@ -78,13 +99,14 @@ class ShardEndpoint:
         holds, `meshd/shard/prefix.py`) its KV is kept for a later session of the same requester that
         extends those tokens."""
         session = self.sessions.pop(key, None)
-        self._record(session, outcome)
+        self._record(session, "handed_over" if session is not None and session.handed_over else outcome)
         if keep and session is not None:
             self.shard.keep(key, session.requester, list(keep))
         else:
             self.shard.release(key)
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
+        self.incoming.expire()  # hand-overs whose KV stopped coming
         evicted = self.shard.evict_expired()
         for key in evicted:
             self._record(self.sessions.pop(key, None), "failed")

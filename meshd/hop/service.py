@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import trio
 
+from meshd.hop import handover
 from meshd.hop.due import DueFrames
 from meshd.hop.endpoint import ShardEndpoint
 from meshd.hop.links import NextHop
@@ -30,7 +31,9 @@ from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel
-from meshd.wire import Cancel, Close, Error, ErrorCode, Forward, Message, OpenSession, Opened, Phase, Token
+from meshd.p2p.channel import ChannelClosed
+from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, HandedOver, HandOver, Leaving, Message, OpenSession,
+                        Opened, Phase, Token)
 
 if TYPE_CHECKING:
     from meshd.node.compute import ComputeExecutor
@@ -62,6 +65,7 @@ class ShardService:
         self._arrived = trio.Event()  # set by each submit while a pass waits for due frames
         self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
         self.outputs = Outputs(endpoint.sessions)  # where each session's outputs go (`dial` set by the slot)
+        self.nursery: trio.Nursery | None = None  # where hand-overs run (the daemon's; None: none are sent)
 
     async def handle(self, msg: Message, peer: str | None = None) -> list[Message]:
         """Answer one message: a Forward joins the next pass it can, the rest run in order. `peer`: the
@@ -69,13 +73,15 @@ class ShardService:
         (a Close may keep its KV for that peer's later sessions: nobody else may say what it holds)."""
         if isinstance(msg, Forward):
             return await self._forward(msg)
+        if isinstance(msg, HandOver):
+            return self._hand_over(msg, peer)
         if isinstance(msg, (Close, Cancel)):
             if peer is not None and not self.endpoint.opened_by((msg.session_id, msg.epoch), peer):
                 log.warning("a peer tried to end a session it did not open", peer=peer[-8:])
                 return []
             self._cancel((msg.session_id, msg.epoch))
             await self.outputs.unlink((msg.session_id, msg.epoch))
-        return await self.compute.run(self.endpoint.handle, msg)
+        return await self.compute.run(self.endpoint.handle, msg, peer or "")  # hand-overs check who asks
 
     async def open_linked(self, msg: OpenSession, home: Channel) -> list[Message]:
         """Open a session whose tokens and errors go to `home`, and whose hidden states go straight
@@ -96,6 +102,34 @@ class ShardService:
         if not replies or not isinstance(replies[0], Opened) or session is None:
             return replies
         return [replace(replies[0], forwarding=await self.outputs.link(key, msg, home))]
+
+    def _hand_over(self, msg: HandOver, peer: str | None) -> list[Message]:
+        """Start sending a session's KV where its entry asks (`meshd/hop/handover.py`); the answer comes later,
+        on the session's home stream. Only the session's owner may ask, and only of a daemon that is leaving."""
+        key = (msg.session_id, msg.epoch)
+        session = self.endpoint.sessions.get(key)
+        why = ("no such session here" if session is None or session.links is None
+               else "only the session's entry may hand it over" if peer is None or session.requester != peer
+               else "this hop is not leaving" if not self.retired
+               else "this hop sends no hand-overs" if self.nursery is None else "")
+        if why:
+            return [HandedOver(session_id=msg.session_id, epoch=msg.epoch, ticket=msg.ticket, positions=0, reason=why)]
+        self.nursery.start_soon(handover.push, self, msg, session.links.home)
+        return []
+
+    async def announce_leaving(self) -> int:
+        """Tell the entry of every session open here for another daemon that this hop leaves (`Leaving`): each
+        may hand its session's KV over to another hop. The sessions told."""
+        told = 0
+        for key, session in list(self.endpoint.sessions.items()):
+            if not session.requester or session.links is None:
+                continue
+            try:
+                await session.links.home.send(Leaving(session_id=key[0], epoch=key[1]))
+                told += 1
+            except ChannelClosed:
+                pass
+        return told
 
     async def forward_outputs(self, key: tuple[bytes, int], peer: str, addrs, home) -> None:
         """Send session `key`'s outputs to `peer` over the link shared with the other sessions going

@@ -33,6 +33,7 @@ class HopSession:
     opened_at: float = 0.0  # wall clock
     constraint: Constraint | None = None  # its grammar, where it samples (meshd/shard/grammar.py)
     carries_ids: bool = False  # a head whose route samples under a grammar: its frames carry their token ids on
+    handed_over: bool = False  # its KV went to another hop (meshd/hop/handover.py): the ledger says so at its end
 
 
 class SessionTable(dict[Key, HopSession]):

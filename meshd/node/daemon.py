@@ -31,6 +31,7 @@ from meshd.dht.record import CoverageRecord, first_seq
 from meshd.dht.view import MeshView
 from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
+from meshd.hop.handover import Tally
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.compute import ComputeExecutor
 from meshd.entry.checks import Exclusions
@@ -79,6 +80,8 @@ class Daemon:
         self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
         self.exclusions = Exclusions()  # peers kept off this daemon's routes after a check (meshd/entry/checks.py)
         self.draft_model = None  # --draft: proposes its entries' drafts (meshd/entry/draftmodel.py)
+        self.nursery: trio.Nursery | None = None  # the serving nursery: hand-overs run in it
+        self.handover_tally = Tally()  # hand-overs as a hop, all its slots together (meshd/hop/handover.py)
 
     @property
     def entry(self) -> Entry | None:
@@ -169,6 +172,7 @@ class Daemon:
     async def _serve(self, start: int, end: int, control: ControlServer, nursery) -> None:
         """Load the range, take other daemons' sessions and generations, and say so in the record."""
         self.lifecycle.to(State.LOADING)
+        self.nursery = nursery  # where the services it loads send hand-overs from
         self.switch_to(await self.open_range(start, end))
         nursery.start_soon(evict_loop, self.compute, lambda: self.slot, self.ledger,
                            min(self.settings.session_idle, self.settings.prefix_ttl or math.inf))
@@ -192,6 +196,11 @@ class Daemon:
                      timeout_s=timeout)
             self.mesh.record = replace(self.mesh.record, leaving=True)  # rebalancing plans go without it
             await self.mesh.withdraw()
+            # the entries of the sessions crossing this daemon may move them to a replica at once, their KV
+            # handed over (meshd/hop/handover.py); the others finish here, or replay when it leaves
+            told = await self.slot.service.announce_leaving()
+            if told:
+                log.info("told the entries of sessions here that it leaves", sessions=told)
         t0 = time.monotonic()
         endpoint = self.slot.service.endpoint
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
@@ -239,6 +248,8 @@ class Daemon:
                                speculate=s.speculate_on, draft_max=s.draft_max, draft_model=self.draft_model,
                                ledger=self.ledger,
                                verify_rate=s.verify_share, exclusions=self.exclusions, prefix_ttl_s=s.prefix_ttl)
+        slot.service.nursery = self.nursery
+        slot.service.endpoint.incoming.tally = self.handover_tally
         old, self.slot = self.slot, slot
         return old
 

@@ -54,6 +54,7 @@ def daemon_status(d) -> dict:
                         "source": d.draft_model.describe() if d.draft_model is not None else "prompt lookup",
                         **d.metrics.drafts()},
         "checks": check_status(d),
+        "handovers": handover_status(d),
         "compute_busy_s": round(d.compute.busy_s, 3),
         "recent_generations": d.metrics.recent.entries(),  # timings and routes, never text
         "peers": [{"peer_id": r.peer_id, "range": [r.start, r.end], "serving": r.serving,
@@ -75,3 +76,11 @@ def check_status(d) -> dict:
     return {"verify_rate": d.settings.verify_rate, "checked": entry.checked if entry else 0,
             "disagreed": entry.disagreed if entry else 0,
             "excluded": exclusions.listing(time.monotonic()) if exclusions is not None else []}
+
+
+def handover_status(d) -> dict:
+    """Hand-overs (meshd/hop/handover.py): as a hop, sessions' KV sent and received whole, failed, refused;
+    as an entry, routes moved off a leaving hop with its KV, and those replayed because the hand-over failed."""
+    entry = d.slot.entry if d.slot else None
+    return {**d.handover_tally.summary(), "moved": entry.handovers if entry else 0,
+            "replayed": entry.handover_fallbacks if entry else 0}

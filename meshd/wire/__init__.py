@@ -8,16 +8,16 @@ from meshd.wire.chunks import DEFAULT_CHUNK_TOKENS, PrefillAssembler, chunk_span
 from meshd.wire.codec import Decoder, Limits, decode_frame, encode, set_default_encoding
 from meshd.wire.errors import (ChecksumMismatch, ChunkOrderError, FrameTooLarge, MalformedFrame,
                                TruncatedFrame, UnsupportedVersion, WireError)
-from meshd.wire.messages import (MAX_BATCH_FRAMES, MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, Close, DrainRequest,
-                                 Error, ErrorCode, Forward, ForwardBatch, GenerateRequest, Heartbeat, Hello,
-                                 LedgerRequest, Message, MsgType, OpenSession, Opened, Phase, StatusRequest,
-                                 StreamEvent, Token)
+from meshd.wire.messages import (MAX_BATCH_FRAMES, MESSAGE_TYPES, PROTOCOL_VERSION, AcceptKV, Cancel, Close,
+                                 DrainRequest, Error, ErrorCode, Forward, ForwardBatch, GenerateRequest, HandedOver,
+                                 HandOver, Heartbeat, Hello, KVChunk, LedgerRequest, Leaving, Message, MsgType,
+                                 OpenSession, Opened, Phase, StatusRequest, StreamEvent, Token)
 from meshd.wire.tensors import DTYPES, Tensor
 
 __all__ = [
-    "DEFAULT_CHUNK_TOKENS", "DTYPES", "MAX_BATCH_FRAMES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Cancel",
+    "DEFAULT_CHUNK_TOKENS", "DTYPES", "MAX_BATCH_FRAMES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "AcceptKV", "Cancel",
     "ChecksumMismatch", "ChunkOrderError", "Close", "Decoder", "DrainRequest", "Error", "ErrorCode", "Forward",
-    "ForwardBatch", "FrameTooLarge",
+    "ForwardBatch", "FrameTooLarge", "HandOver", "HandedOver", "KVChunk", "Leaving",
     "GenerateRequest", "Heartbeat", "Hello", "LedgerRequest", "Limits", "MalformedFrame", "Message", "MsgType",
     "OpenSession", "Opened", "Phase", "PrefillAssembler", "StatusRequest", "StreamEvent", "Tensor", "Token",
     "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens", "decode_frame",

@@ -19,12 +19,12 @@ from typing import Any, ClassVar, Optional
 from meshd.wire.errors import MalformedFrame
 from meshd.wire.tensors import Tensor
 
-PROTOCOL_VERSION = 7  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
+PROTOCOL_VERSION = 8  # 2: Error carries retry_after_s; 3: ForwardBatch, Token.pass_id/pass_size;
 # 4: OpenSession.microbatch; 5: Phase.VERIFY, Token.accepted, GenerateRequest.speculate, decode frames of
 # several positions; 6: GenerateRequest.verify (check this generation on a second route), Token.tensors
 # (the hops' sketches of a step, meshd/hop/sketch.py); 7: prefix reuse (OpenSession.prefix, Opened.reused,
 # Close.keep), constrained decoding (GenerateRequest.grammar/tools, OpenSession.grammar/grammar_from): a build
-# of 6 would refuse them as bad frames
+# of 6 would refuse them as bad frames; 8: hand-over (Leaving, HandOver, AcceptKV, KVChunk, HandedOver)
 
 
 class MsgType(enum.IntEnum):
@@ -38,6 +38,11 @@ class MsgType(enum.IntEnum):
     ERROR = 8
     OPENED = 9
     FORWARD_BATCH = 10
+    LEAVING = 11
+    HAND_OVER = 12
+    ACCEPT_KV = 13
+    KV_CHUNK = 14
+    HANDED_OVER = 15
     GENERATE = 16
     STREAM_EVENT = 17
     STATUS = 18
@@ -283,6 +288,68 @@ class Close(Message):
     keep: bytes = b""
 
     LATE_FIELDS: ClassVar[int] = 1
+
+
+@message(MsgType.LEAVING)
+class Leaving(Message):
+    """A hop leaves the mesh on purpose (a drain, a stop, a move): sent on the home stream of each session it
+    serves for another daemon, whose entry may have its KV handed over (`HandOver`) instead of replaying it."""
+
+    session_id: bytes
+    epoch: int
+
+
+@message(MsgType.HAND_OVER)
+class HandOver(Message):
+    """An entry asks the hop of one of its sessions that is leaving to send the KV of the session's first
+    `positions` positions to `peer` (who was told to take it: `AcceptKV` with the same `ticket`)."""
+
+    session_id: bytes
+    epoch: int
+    peer: str
+    addrs: str  # space-separated multiaddrs
+    ticket: bytes
+    positions: int
+
+
+@message(MsgType.ACCEPT_KV)
+class AcceptKV(Message):
+    """An entry asks a hop to take the KV of `positions` positions of its session's layers [start, end) from
+    `sender` (a hop that is leaving), and keep it under `chain` (the hash chain of those positions' tokens,
+    `meshd/shard/prefix.py`) for a session the entry opens next. Without it, KV from anyone is refused."""
+
+    ticket: bytes
+    sender: str
+    start: int
+    end: int
+    rope_table: int
+    positions: int
+    chain: bytes
+    model_fingerprint: str
+    recipe_fingerprint: str
+
+
+@message(MsgType.KV_CHUNK)
+class KVChunk(Message):
+    """KV of positions [position, position + n) of a hand-over (`ticket`): tensors `k` and `v`, each
+    [layers, 1, kv heads, n, head dim] in the receiver's KV dtype. Chunks come in order; the last one
+    (position + n == the positions accepted) is answered with `HandedOver`."""
+
+    ticket: bytes
+    position: int
+    tensors: tuple[Tensor, ...] = field(default=())
+
+
+@message(MsgType.HANDED_OVER)
+class HandedOver(Message):
+    """A hand-over ended: `positions` of KV are kept at the receiver (0: it failed, `reason` says why). The
+    receiver answers the sender so; the sender tells the entry on the session's home stream."""
+
+    session_id: bytes
+    epoch: int
+    ticket: bytes
+    positions: int
+    reason: str = ""
 
 
 @message(MsgType.CANCEL)
