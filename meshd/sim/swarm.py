@@ -83,6 +83,7 @@ class Swarm:
         self.n_server_seats = spec.server_seats()
         self._next_nid = 0
         self.on_lost = None  # traffic's hook: a node with sessions died
+        self.refill = True  # a seat left empty is taken by a new node (not in a trace, nor a calibration case)
         self.clock.after(COVERAGE_INTERVAL, self._refresh)
 
     # --- births and deaths ---------------------------------------------------------------------------
@@ -143,7 +144,7 @@ class Swarm:
             self.holders.get(pid, set()).discard(node.peer_id)
         if node.active and self.on_lost:
             self.on_lost(node)
-        if not self.spec.trace:
+        if self.refill and not self.spec.trace:
             self.clock.after(self.rng_life.expovariate(1 / self.spec.rejoin_mean_s), self.spawn, node.seat)
 
     # --- reachability ------------------------------------------------------------------------------------

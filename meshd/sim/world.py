@@ -58,7 +58,7 @@ class Shape:
     """A model by its layer count and the bytes of one layer (weights as served, e.g. 4-bit)."""
 
     n_layers: int = 80
-    layer_bytes: int = int(0.45 * GB)  # a 70B-class layer at 4 bits
+    layer_bytes: int = int(1.75 * GB)  # a 70B-class layer (80 of them) at 16 bits
     kv_layer_bytes: int = 8 << 20  # one session's KV per layer at 2,048 positions (8 KV heads of 128)
 
     def size(self, start: int, end: int) -> int:
@@ -80,7 +80,7 @@ class WorldSpec:
     rejoin_mean_s: float = 60.0  # a node's seat is taken by a new node after this long on average
     nat_share: float = 0.7
     graceful_share: float = 0.5  # leaves that withdraw the record (SIGTERM); the rest vanish
-    requests_per_entry_min: float = 4.0  # Poisson arrivals at each entry
+    requests_per_entry_min: float = 2.0  # Poisson arrivals at each entry
     gen_tokens_median: float = 200.0  # lognormal, sigma 0.8
     prompt_tokens_median: float = 400.0  # lognormal, sigma 0.8
     walks_per_hour: float = 1000.0  # sampled DHT lookups (a real swarm walks far more; see the docs)
