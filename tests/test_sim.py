@@ -29,9 +29,11 @@ def test_the_same_seed_gives_the_same_report_and_another_seed_another():
     assert deterministic(a) != deterministic(c)
 
 
-def test_the_command_line_prints_the_keys_the_issue_names(capsys):
+def test_the_command_line_prints_the_keys_the_issue_names_and_draws_a_png(capsys, tmp_path):
+    png = tmp_path / "run.png"
     main(["--nodes", "40", "--hours", "0.2", "--model-layers", "20", "--capacity", "2", "--session-median-min", "60",
-          "--nat-share", "0.5", "--seed", "3", "--json"])
+          "--nat-share", "0.5", "--seed", "3", "--json", "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(capsys.readouterr().out)
     for key in ("covered_1", "covered_2", "heal_s_p50", "heal_s_p99", "moves_per_node_hour", "lookup_success",
                 "lookup_hops_p99", "route_over_best_p50", "route_over_best_p99", "load_max_over_mean",
