@@ -83,3 +83,10 @@ def test_hidden_states_of_a_wrong_dtype_are_refused(mesh):
 
     report = attack(mesh, "wrong dtypes", dtypes)
     assert report.answers == {"bad_frame": 3}
+
+
+def test_kv_offered_by_a_peer_nobody_asked_is_refused(mesh):
+    """Issue 36: a peer cannot push KV nobody asked for, nor have another entry's session handed anywhere; KV
+    it asks to be handed to the daemon comes only from the sender it named (and is kept for itself alone)."""
+    report = attack(mesh, "KV offered", lambda p: p.offer_kv(10, 20))
+    assert report.answers == {"bad_frame": 2, "HandedOver": 1, "Opened": 1}, report.row()

@@ -12,9 +12,11 @@ BUSY_RETRY_S = 0.5  # the wait before trying a full mesh again, when a busy hop 
 
 
 class HopFailed(RuntimeError):
-    def __init__(self, peer_id: str, reason: str, retriable: bool = True, busy_s: float | None = None):
+    def __init__(self, peer_id: str, reason: str, retriable: bool = True, busy_s: float | None = None,
+                 opening: bool = False):
         self.peer_id, self.retriable = peer_id, retriable
         self.busy_s = busy_s  # set when the hop is alive but full: try again after this long
+        self.opening = opening  # it could not be reached to open a session (dial, reset): nothing ran there
         super().__init__(f"hop {peer_id[-8:]} {'is busy' if busy_s is not None else 'failed'}: {reason}")
 
 

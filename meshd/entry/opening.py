@@ -214,9 +214,9 @@ class Routes:
                                                   asked))
                 reply = await channel.receive(OPEN_TIMEOUT)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
-            raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}") from None
+            raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}", opening=True) from None
         except Exception as exc:  # libp2p dial and negotiation errors
-            raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}") from None
+            raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}", opening=True) from None
         if isinstance(reply, Error):
             raise hop_error(hop.peer_id, reply)
         if not isinstance(reply, Opened):

@@ -10,6 +10,8 @@ from meshd.entry.errors import BUSY_RETRY_S, GenerationError, HopFailed
 from meshd.wire import ErrorCode
 
 MAX_ATTEMPTS = 3  # routes tried after hop failures (busy hops do not count)
+MAX_UNREACHED = 8  # hops that could not even be reached to open a session (a peer that just died, its record
+# not yet lapsed): they do not count as attempts, each is left out of later routes, and so many end the generation
 BUSY_WAIT_S = 30.0  # how long a generation waits for a full mesh before "mesh busy"
 LOAD_WEIGHT_S = 0.1  # an entry whose KV is all in use ranks as if 100 ms further away
 UNMEASURED_S = 0.05  # the latency assumed for an entry never measured
@@ -29,6 +31,7 @@ class Retries:
     failed: set[str] = field(default_factory=set)
     busy: set[str] = field(default_factory=set)
     failures: int = 0
+    unreached: int = 0  # hops that could not be reached to open a session (not counted in `failures`)
     epoch: int = 0
     reroutes: int = 0
     refreshed: bool = False
@@ -64,7 +67,13 @@ class Retries:
         if exc.busy_s is not None:  # alive but full: another route now, else wait for room
             self.busy.add(exc.peer_id)
             return
-        self.failures += 1
+        # a hop that could not be reached before anything ran there is passed over for another replica or
+        # route (a route exists while the plan finds one) without spending an attempt; so many such end it
+        first_time = exc.peer_id not in self.failed
+        if exc.opening and first_time and self.unreached < MAX_UNREACHED:
+            self.unreached += 1
+        else:
+            self.failures += 1
         if not exc.retriable or self.failures == self.max_attempts:
             raise GenerationError(ErrorCode.HOP_FAILED, str(exc))
         self.failed.add(exc.peer_id)

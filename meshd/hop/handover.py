@@ -29,6 +29,7 @@ CHUNK_BYTES = 4 << 20  # KV bytes in one KVChunk frame (well under a frame's pay
 INCOMING_TTL_S = 30.0  # an accepted hand-over whose KV has not all come by then is dropped
 MAX_INCOMING = 16  # hand-overs being received at once, all requesters
 MAX_INCOMING_PER_PEER = 4  # ... and per requesting entry
+INCOMING_SHARE = 0.25  # the share of the KV budget hand-overs being received may hold at once
 PUSH_TIMEOUT_S = 20.0  # the longest a sender spends on one hand-over (dial, chunks, the receiver's answer)
 log = get_logger(__name__)
 
@@ -48,6 +49,7 @@ class Receiving:
     positions: int
     chain: list[bytes]
     expires: float
+    nbytes: int = 0  # its room in the KV budget
     received: int = 0
 
 
@@ -90,8 +92,10 @@ class Incoming:
             raise HandOverRefused("a hand-over needs a new ticket of 16 bytes")
         if not 0 < msg.positions == len(chain) * prefix.BLOCK or msg.positions > shard.max_positions:
             raise HandOverRefused(f"{msg.positions} positions under a chain of {len(chain)} blocks")
+        need = shard.kv.bytes_for(msg.positions, msg.end - msg.start)
         if len(self.open) >= MAX_INCOMING or sum(r.requester == requester for r in self.open.values()) \
-                >= MAX_INCOMING_PER_PEER:
+                >= MAX_INCOMING_PER_PEER or need + sum(r.nbytes for r in self.open.values()) \
+                > INCOMING_SHARE * shard.kv.budget_bytes:
             raise HandOverRefused("busy: too many hand-overs under way here")
         key = ("hand-over", msg.ticket)
         shard.open_session(key, msg.positions, msg.start, msg.end, msg.rope_table)
@@ -101,7 +105,7 @@ class Incoming:
             shard.release(key)
             raise
         self.open[msg.ticket] = Receiving(msg.ticket, requester, msg.sender, key, msg.positions, chain,
-                                          self.clock() + INCOMING_TTL_S)
+                                          self.clock() + INCOMING_TTL_S, need)
 
     def chunk(self, msg: KVChunk, sender: str) -> HandedOver | None:
         """Store one chunk; the answer once the last one is in (None before). HandOverRefused for a chunk of

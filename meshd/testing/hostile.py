@@ -166,6 +166,29 @@ class HostilePeer:
         await ch.aclose()
         return reply
 
+    async def offer_kv(self, start: int, end: int, positions: int = 64) -> list[w.Message]:
+        """KV nobody asked for: a chunk under a made-up ticket, then a hand-over of someone else's session asked
+        as if it were its entry, then a hand-over it asks of itself from a sender it names, whose KV comes from
+        another peer (itself here, under the wrong name). The replies, in order."""
+        ch = await self.open_stream()
+        model_fp, recipe_fp = self.fingerprints
+        k = w.Tensor("k", (end - start, 1, 3, positions, 64), "bfloat16", bytes((end - start) * 3 * positions * 64 * 2))
+        v = w.Tensor("v", k.shape, k.dtype, k.data)
+        await ch.send(w.KVChunk(ticket=os.urandom(16), position=0, tensors=(k, v)))
+        out = [await ch.receive(REPLY_TIMEOUT)]
+        await ch.send(w.HandOver(session_id=os.urandom(16), epoch=0, peer=str(self.host.get_id()), addrs="",
+                                 ticket=os.urandom(16), positions=positions))
+        out.append(await ch.receive(REPLY_TIMEOUT))
+        ticket = os.urandom(16)
+        await ch.send(w.AcceptKV(ticket=ticket, sender="12D3KooWsomebodyelse", start=start, end=end, rope_table=0,
+                                 positions=positions, chain=os.urandom(16) * (positions // 16),
+                                 model_fingerprint=model_fp, recipe_fingerprint=recipe_fp))
+        out.append(await ch.receive(REPLY_TIMEOUT))
+        await ch.send(w.KVChunk(ticket=ticket, position=0, tensors=(k, v)))
+        out.append(await ch.receive(REPLY_TIMEOUT))
+        await ch.aclose()
+        return out
+
     async def echo_times(self, seconds: float, period: float = 0.1, channel: Channel | None = None) -> list[float]:
         """Heartbeat round trips on one stream (`channel`, else a new one) for `seconds`, as an
         entry pings a hop; a missing echo counts as the whole wait."""
