@@ -146,20 +146,27 @@ class Routes:
         await at.left.wait()
         peer = at.leaving[0]
         try:
-            at.move = await self._hand_over(at, route, peer, gen)
+            move = await self._hand_over(at, route, peer, gen)
         except Exception as exc:  # a replica that cannot be reached or refuses: replay instead
-            at.move = Moved(peer, reason=f"{type(exc).__name__}: {exc}")
-        log.info("a hop leaves: " + ("its KV was handed over" if at.move.route is not None else "replaying without it"),
-                 peer=peer[-8:], positions=at.move.positions, reason=at.move.reason or None)
+            move = Moved(peer, reason=f"{type(exc).__name__}: {exc}")
+        if move is None:  # no replica serves its layers: the generation stays, and the hop waits for it (its drain)
+            log.info("a hop leaves, and no other serves its layers: staying on it", peer=peer[-8:])
+            return
+        at.move = move
+        log.info("a hop leaves: " + ("its KV was handed over" if move.route is not None else "replaying without it"),
+                 peer=peer[-8:], positions=move.positions, reason=move.reason or None)
 
-    async def _hand_over(self, at: Attempt, route: Route, peer: str, gen: Generation) -> Moved:
-        """Ask a replica of leaving hop `peer`'s layers to take its session's KV, and `peer` to send it there."""
+    async def _hand_over(self, at: Attempt, route: Route, peer: str, gen: Generation) -> Moved | None:
+        """Ask a replica of leaving hop `peer`'s layers to take its session's KV, and `peer` to send it there
+        (None: no replica serves its layers)."""
         coverage = self.mesh.coverage.serving()
         links = link_latency(coverage.records, dict(self.mesh.latency))
         new = replaced(coverage, self.end, route, peer, links, {self.mesh.peer_id} | self.exclusions.active(time.monotonic()))
+        if new is None:
+            return None
         held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
-        if new is None or not held:
-            return Moved(peer, reason="no other hop serves its layers" if new is None else "under one block computed")
+        if not held:
+            return Moved(peer, reason="under one block computed: replaying is as cheap")
         i = next(i for i, h in enumerate(route.hops) if h.peer_id == peer)
         hop, target = route.hops[i], new.hops[i]
         ticket, positions = os.urandom(16), len(held) * prefix.BLOCK
