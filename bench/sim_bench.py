@@ -19,7 +19,7 @@ from pathlib import Path
 from meshd.sim.run import simulate
 from meshd.sim.world import WorldSpec
 
-COLS = ("nodes", "capacity", "session_median_min", "server_seats", "covered_1", "covered_2", "heal_s_p50",
+COLS = ("nodes", "capacity", "session_median_min", "server_seats", "covered_1", "covered_2", "covered_1_formed", "heal_s_p50",
         "heal_s_p99", "moves_per_node_hour", "lookup_success", "lookup_hops_p99", "lookup_hops_bound",
         "route_over_best_p50", "route_over_best_p99", "load_max_over_mean", "requests_failed_share", "wall_s")
 
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
     ap.add_argument("--hours", type=float, default=24.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", help="also write the JSON object to this file")
     a = ap.parse_args()
     rows = []
     for n in a.nodes:
@@ -52,7 +53,10 @@ def main() -> None:
     print(" | ".join(COLS))
     for r in rows:
         print(" | ".join(str(r[c]) for c in COLS))
-    print(json.dumps({"cpu_flags": cpu_flags(), "hours": a.hours, "runs": rows}))
+    out = json.dumps({"cpu_flags": cpu_flags(), "hours": a.hours, "runs": rows})
+    print(out)
+    if a.out:
+        Path(a.out).write_text(out + "\n")
 
 
 if __name__ == "__main__":

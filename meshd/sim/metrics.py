@@ -30,6 +30,8 @@ class Hour:
     seconds: float = 0.0
     moves: int = 0
     node_s: float = 0.0  # serving-node seconds after formation
+    formed: float = 0.0  # seconds after formation
+    t1_formed: float = 0.0  # of them, seconds every layer had a server
     heals: list = field(default_factory=list)
     walks: list = field(default_factory=list)  # (ok, hops, questions)
     ratios: list = field(default_factory=list)
@@ -64,6 +66,8 @@ class Metrics:
             h.t2 += dt if self.min_count >= 2 else 0.0
             if self.formed_at is not None:
                 h.node_s += dt * self.n_serving
+                h.formed += dt
+                h.t1_formed += dt if self.min_count >= 1 else 0.0
             t = end
         self.last_t = max(self.last_t, now)
 
@@ -117,6 +121,8 @@ class Metrics:
         r = lambda x, n=4: None if x is None else round(x, n)  # noqa: E731
         return {
             "covered_1": r(sum(h.t1 for h in hs) / seconds, 5), "covered_2": r(sum(h.t2 for h in hs) / seconds, 5),
+            "covered_1_formed": r(sum(h.t1_formed for h in hs) / sum(h.formed for h in hs), 5)
+            if sum(h.formed for h in hs) else None,
             "heals": len(heals), "heal_s_p50": r(pct(heals, 50), 1), "heal_s_p99": r(pct(heals, 99), 1),
             "moves": sum(h.moves for h in hs),
             "moves_per_node_hour": r(sum(h.moves for h in hs) / node_h if node_h else 0.0),

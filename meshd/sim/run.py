@@ -13,7 +13,7 @@ from meshd.sim.swarm import Swarm
 from meshd.sim.traffic import Traffic
 from meshd.sim.world import WorldSpec
 
-KEYS = ("covered_1", "covered_2", "heal_s_p50", "heal_s_p99", "moves_per_node_hour", "lookup_success",
+KEYS = ("covered_1", "covered_2", "covered_1_formed", "heal_s_p50", "heal_s_p99", "moves_per_node_hour", "lookup_success",
         "lookup_hops_p99", "route_over_best_p50", "route_over_best_p99", "load_max_over_mean",
         "requests_failed_share")
 

@@ -80,7 +80,7 @@ class WorldSpec:
     rejoin_mean_s: float = 60.0  # a node's seat is taken by a new node after this long on average
     nat_share: float = 0.7
     graceful_share: float = 0.5  # leaves that withdraw the record (SIGTERM); the rest vanish
-    requests_per_entry_min: float = 2.0  # Poisson arrivals at each entry
+    requests_per_entry_min: float = 0.25  # Poisson arrivals at each entry (a 70B step is seconds: a generation lasts minutes)
     gen_tokens_median: float = 200.0  # lognormal, sigma 0.8
     prompt_tokens_median: float = 400.0  # lognormal, sigma 0.8
     walks_per_hour: float = 1000.0  # sampled DHT lookups (a real swarm walks far more; see the docs)
