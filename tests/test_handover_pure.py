@@ -8,11 +8,13 @@ from meshd import wire as w
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord
 from meshd.entry.errors import HopFailed
-from meshd.entry.policy import MAX_UNREACHED, Retries
+from meshd.entry import opening
+from meshd.entry.policy import MAX_UNREACHED, Retries, Suspects
 from meshd.entry.route import Hop, Route, replaced
 from meshd.entry.state import Generation
 from meshd.hop import handover
 from meshd.hop.endpoint import ShardEndpoint, token_frame
+from meshd.p2p.channel import Channel
 from meshd.shard import prefix
 from meshd.shard.prefix import BLOCK, chain, root
 
@@ -182,3 +184,41 @@ def test_a_hop_that_cannot_be_reached_to_open_costs_no_attempt_while_others_rema
     r = Retries(deadline=30.0)
     r.left("d")  # a hop that left on purpose: planned around, no failure
     assert r.failures == 0 and r.failed == {"d"}
+
+
+def test_a_hop_that_failed_is_avoided_by_later_routes_a_while_or_until_it_answers():
+    s = Suspects(hold_s=10.0)
+    s.failed("frozen", now=100.0)
+    assert s.active(105.0) == {"frozen"}
+    assert s.active(110.0) == set()  # expired
+    s.failed("frozen", now=200.0)
+    s.answered("frozen")  # it opened a session again
+    assert s.active(201.0) == set()
+
+
+async def test_opening_on_a_frozen_hop_fails_within_the_silence_bound_and_a_live_busy_one_is_waited_for(autojump_clock):
+    import trio.testing
+
+    async def answer_open(far: Channel, ping: bool, delay: float):
+        await far.receive(60)  # the OpenSession
+        await far.receive(60)  # the ping
+        if ping:
+            await far.send(w.Heartbeat(seq=0))
+        await trio.sleep(delay)
+        await far.send(w.Opened(request_id=1, session_id=b"s" * 16, epoch=0))
+
+    for ping, delay in ((True, 20.0), (False, 20.0)):
+        a, b = trio.testing.memory_stream_pair()
+        near, far = Channel.over_trio(a), Channel.over_trio(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer_open, far, ping, delay)
+            await near.send(w.OpenSession(request_id=1, session_id=b"s" * 16, epoch=0, start=10, end=20,
+                                          model_fingerprint="m", recipe_fingerprint="r"))
+            t0 = trio.current_time()
+            if ping:  # alive (it echoes), its compute thread busy: its answer is waited for
+                assert isinstance(await opening._answer_of_a_live_hop(near), w.Opened)
+            else:  # frozen: given up after OPEN_SILENT_S, not when it thaws
+                with pytest.raises(trio.TooSlowError):
+                    await opening._answer_of_a_live_hop(near)
+                assert trio.current_time() - t0 == pytest.approx(opening.OPEN_SILENT_S)
+                nursery.cancel_scope.cancel()

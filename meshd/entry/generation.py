@@ -175,6 +175,7 @@ class Entry:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
                 else:
                     log.warning("hop failed, rerouting", error=str(exc), attempt=retries.failures)
+                    self.routes.suspects.failed(exc.peer_id, time.monotonic())  # later generations avoid it a while
                 retries.after_failure(exc)  # raises when the generation must give up
                 gen.reroutes = retries.reroutes
             except GenerationError as exc:

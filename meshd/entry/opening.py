@@ -25,15 +25,17 @@ from meshd.entry.attempt import Attempt, LinkErrors
 from meshd.entry.checks import Exclusions
 from meshd.entry.errors import GenerationError, HopFailed, Moved, hop_error
 from meshd.entry.microbatch import Microbatches
+from meshd.entry.policy import Suspects
 from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around, replaced, route_along
 from meshd.entry.state import Generation, open_session
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard import prefix
-from meshd.wire import AcceptKV, Close, Error, ErrorCode, HandOver, Opened, WireError
+from meshd.wire import AcceptKV, Close, Error, ErrorCode, HandOver, Heartbeat, Opened, WireError
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 OPEN_TIMEOUT = 30.0  # the longest opening a session (dial, negotiation, answer) or the link to the first hop may take
+OPEN_SILENT_S = 3.0  # a hop that echoes no ping within this while it opens a session is frozen: tried no longer
 HANDOVER_WAIT_S = 20.0  # the longest an entry waits for a leaving hop's KV to reach its replica
 log = get_logger(__name__)
 
@@ -53,6 +55,7 @@ class Routes:
         self.microbatches = microbatches  # spread generations over so many, at most one per daemon on the route
         # (0: exactly one per daemon on the route)
         self.microbatch_use, self.exclusions = microbatch_use, exclusions
+        self.suspects = Suspects()  # hops that failed a generation lately: later routes avoid them a while
 
     def root(self, gen: Generation) -> bytes:
         """Where the hash chains of a generation's tokens start (`meshd/shard/prefix.py`)."""
@@ -66,16 +69,18 @@ class Routes:
         all its hops may still be used (affinity: only the new tokens are computed)."""
         coverage = self.mesh.coverage.serving()
         links = link_latency(coverage.records, dict(self.mesh.latency))
-        excluded = self.exclusions.active(time.monotonic())
+        now = time.monotonic()
+        excluded, suspects = self.exclusions.active(now), self.suspects.active(now)
         if gen is not None and self.affinity is not None and not avoid:
             spans, tokens = self.affinity.route_for(gen.prefix_asked(self.root(gen)))
-            kept = route_along(coverage, self.end, spans, links, set(failed) | set(busy) | excluded) if spans else None
+            kept = (route_along(coverage, self.end, spans, links, set(failed) | set(busy) | excluded | suspects)
+                    if spans else None)
             if kept is not None:
                 log.info("routing to the hops that kept this prompt's prefix", tokens=tokens, hops=len(kept.hops))
                 return kept
         try:
             route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
-                                         avoid)
+                                         set(avoid) | suspects)
         except NoRoute as exc:
             raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
         if retried:
@@ -219,7 +224,7 @@ class Routes:
                 channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
                 await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch,
                                                   asked))
-                reply = await channel.receive(OPEN_TIMEOUT)
+                reply = await _answer_of_a_live_hop(channel)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
             raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}", opening=True) from None
         except Exception as exc:  # libp2p dial and negotiation errors
@@ -230,6 +235,7 @@ class Routes:
             raise HopFailed(hop.peer_id, f"answered OpenSession with {type(reply).__name__}")
         if not 0 <= reply.reused <= len(asked) // prefix.HASH_BYTES * prefix.BLOCK:  # more than it was asked for
             raise HopFailed(hop.peer_id, f"claims to hold {reply.reused} positions of a prefix of {len(asked)} bytes")
+        self.suspects.answered(hop.peer_id)
         return channel, reply.forwarding and nxt is not None, reply.reused
 
     async def _link_first_hop(self, at: Attempt, hop: Hop) -> bool:
@@ -245,3 +251,17 @@ class Routes:
                      error=f"{type(exc).__name__}: {exc}")
             return False
         return True
+
+
+async def _answer_of_a_live_hop(channel: Channel):
+    """A hop's answer to the OpenSession just sent: a ping goes after it, which a live hop's reader echoes at once
+    however busy its compute thread is; a hop that echoes nothing within OPEN_SILENT_S is frozen (SIGSTOP), and
+    fails the open (TooSlowError) rather than holding it until it thaws. A live one is given OPEN_TIMEOUT."""
+    await channel.send(Heartbeat(seq=0))
+    deadline, alive = trio.current_time() + OPEN_TIMEOUT, False
+    while True:
+        wait = deadline - trio.current_time() if alive else OPEN_SILENT_S
+        msg = await channel.receive(max(0.0, wait))
+        if not isinstance(msg, Heartbeat):
+            return msg
+        alive = True

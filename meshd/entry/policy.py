@@ -18,6 +18,30 @@ UNMEASURED_S = 0.05  # the latency assumed for an entry never measured
 LAPSE_POLL_S = 1.0  # how often a generation waiting on a lapsed record looks at the mesh again
 
 
+SUSPECT_S = 10.0  # how long later generations avoid a hop that failed one (a frozen or dying peer whose record
+# still stands): a SIGSTOPped hop is given up within the silence threshold once, not by every generation after
+
+
+class Suspects:
+    """Hops that failed a generation lately: later routes go through one only where no other serves its layers,
+    for SUSPECT_S seconds or until it opens a session again. Times are the caller's clock (time.monotonic)."""
+
+    def __init__(self, hold_s: float = SUSPECT_S) -> None:
+        self.hold_s = hold_s
+        self.until: dict[str, float] = {}
+
+    def failed(self, peer: str, now: float) -> None:
+        self.until[peer] = now + self.hold_s
+
+    def answered(self, peer: str) -> None:
+        self.until.pop(peer, None)
+
+    def active(self, now: float) -> set[str]:
+        for peer in [p for p, t in self.until.items() if t <= now]:
+            del self.until[peer]
+        return set(self.until)
+
+
 @dataclass
 class Retries:
     """One generation's account of its routes: the hops that failed (never tried again), those that

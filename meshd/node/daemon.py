@@ -235,7 +235,7 @@ class Daemon:
         """Load a range and everything that serves it, without touching what this daemon serves now."""
         return await open_slot(start, end, artifact=self.artifact, recipe=self.recipe, recipe_fp=self.recipe_fp,
                                settings=self.settings, compute=self.compute, metrics=self.metrics,
-                               dial=self.dialer.dial_shard, ledger=self.ledger)
+                               dial=self.dialer.dial_shard, ledger=self.ledger, handovers=self.handover_tally)
 
     def switch_to(self, slot: Slot) -> Slot | None:
         """Serve a range loaded by `open_range`: new sessions and generations go to it from now on
@@ -249,7 +249,6 @@ class Daemon:
                                ledger=self.ledger,
                                verify_rate=s.verify_share, exclusions=self.exclusions, prefix_ttl_s=s.prefix_ttl)
         slot.service.nursery = self.nursery
-        slot.service.endpoint.incoming.tally = self.handover_tally
         old, self.slot = self.slot, slot
         return old
 

@@ -32,9 +32,9 @@ class Slot:
 
 
 async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, settings, compute, metrics, dial,
-                    ledger=None) -> Slot:
+                    ledger=None, handovers=None) -> Slot:
     """Load layers [start, end) and what serves them (on the compute thread), without touching what
-    the daemon serves now."""
+    the daemon serves now. `handovers`: the daemon's tally of hand-overs (meshd/hop/handover.py), all slots'."""
     check_fits(artifact, recipe, start, end, memory=settings.memory)
 
     def load():
@@ -55,6 +55,8 @@ async def open_slot(start: int, end: int, *, artifact, recipe, recipe_fp: str, s
                              idle_when_full=settings.session_idle_full)
     endpoint.ledger = ledger
     endpoint.tokenizer = tokenizer
+    if handovers is not None:
+        endpoint.incoming.tally = handovers
     service = ShardService(endpoint, compute, Scheduler(max_queued=settings.max_queue))
     service.stats.on_step = metrics.observe_pass
     service.outputs.dial = dial

@@ -6,7 +6,7 @@ connections); a peer with circuit addresses is tried every way at once, staggere
 (`meshd.p2p.race`: a dead relay costs a second, not a timeout), direct first, then the relays we
 hold a connection to, then the nearest (`circuit_rank`, pure); a peer we dial for sessions is
 protected from py-libp2p's per-peer trimming; a stream on a connection py-libp2p has just closed
-is tried once more on a fresh one. The mesh is seen only through two callables (`latency()`,
+is tried once more on a fresh one; a stream a connected peer does not answer within NEGOTIATE_S fails. The mesh is seen only through two callables (`latency()`,
 `known()`), so this module knows nothing of records or the daemon.
 """
 
@@ -30,6 +30,8 @@ from meshd.wire.protocols import SHARD_PROTOCOL
 
 DIAL_STAGGER_S = 1.0  # a peer with circuit addresses: the next way is tried after this (or a failure)
 DIAL_ATTEMPT_S = 8.0  # one way to a peer (direct, or through one relay)
+NEGOTIATE_S = 5.0  # opening a stream on a connection held already: a peer that does not answer by then is
+# frozen (SIGSTOP, a hung event loop), and its streams would wait for it as long as it stays so
 PROTECT_TAG = "meshd-sessions"
 log = structlog.get_logger(__name__)  # (meshd.node.log's get_logger is this; p2p/ does not import node/)
 
@@ -66,7 +68,10 @@ class Dialer:
         for attempt in (0, 1):
             await self.ensure_connected(peer_id, addrs, fresh=attempt == 1)
             try:
-                return await self.host.new_stream(pid, [protocol])
+                with trio.fail_after(NEGOTIATE_S):
+                    return await self.host.new_stream(pid, [protocol])
+            except trio.TooSlowError:
+                raise  # connected, and not answering: a fresh connection would wait the same
             except Exception as exc:  # py-libp2p's SwarmException and stream negotiation errors
                 if attempt == 1:
                     raise

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,13 @@ class DaemonProc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def free_port() -> int:
+    """A TCP port on loopback free now: for a daemon that must come back on the port it had (`listen`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_rest(stream) -> tuple[str, float]:
