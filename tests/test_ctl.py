@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-from meshd.cli.render import draft_line, load_line, prefix_line, prompt_line, render_status, sessions_line
+from meshd.cli.render import (draft_line, handover_line, load_line, prefix_line, prompt_line, render_status,
+                              sessions_line)
 
 
 def test_meshctl_imports_no_event_loop_no_libp2p_no_torch():
@@ -73,3 +74,11 @@ def test_the_prompt_line_says_how_many_prompt_tokens_were_reused():
     assert prompt_line({"prompt_tokens": 2931, "cached_tokens": 2912}) == "prompt 2,931 tokens (2,912 reused)"
     assert prompt_line({"prompt_tokens": 12, "cached_tokens": 0}) == "prompt 12 tokens"
     assert prompt_line({"prompt_tokens": 12}) == "prompt 12 tokens"  # an older entry
+
+
+def test_status_shows_hand_overs_and_reads_an_older_daemons_status():
+    h = {"sent": 2, "received": 1, "failed": 0, "refused": 3, "positions": 1_280, "moved": 1, "replayed": 0}
+    assert handover_line(h) == ("handover  2 sent, 1 received (1,280 positions), 0 failed, 3 refused; routes moved 1,"
+                                " replayed 0")
+    assert "handover  unknown" in render_status(STATUS).splitlines()  # an older daemon says nothing of them
+    assert handover_line(h) in render_status({**STATUS, "handovers": h}).splitlines()

@@ -90,13 +90,13 @@ async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():
 class ScrapedDaemon:
     """What a scrape of /metrics reads of a daemon: its status and its ledger's totals."""
 
-    def __init__(self, prefix_cache):
-        self.prefix_cache = prefix_cache
+    def __init__(self, prefix_cache, handovers=None):
+        self.prefix_cache, self.handovers = prefix_cache, handovers
         self.ledger = SimpleNamespace(totals=lambda: {"peers": {}, "generations": {}, "sessions": {}})
 
     def status(self):
         return {"sessions": 0, "kv_bytes": 4096, "peers": [], "gaps": [], "generations": 0,
-                "prefix_cache": self.prefix_cache}
+                "prefix_cache": self.prefix_cache, "handovers": self.handovers}
 
 
 def scrape(metrics: Metrics) -> dict:
@@ -207,3 +207,10 @@ def test_a_real_daemon_serves_the_page_and_its_status_behind_the_token():
         assert over_http["weight_bytes"] <= 1.1 * over_http["file_bytes"]  # 4-bit blocks stay 4-bit
     finally:
         m.close()
+
+
+def test_metrics_show_hand_overs():
+    handovers = {"sent": 2, "received": 1, "failed": 1, "refused": 3, "positions": 640, "moved": 4, "replayed": 1}
+    got = scrape(Metrics(ScrapedDaemon(None, handovers)))
+    assert {k: got[f"meshd_handover_{k}_total"] for k in handovers} == handovers
+    assert scrape(Metrics(ScrapedDaemon(None)))["meshd_handover_sent_total"] == 0

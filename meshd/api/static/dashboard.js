@@ -184,6 +184,7 @@
       ["memory", `${mb(st.weight_bytes)} weights for ${mb(st.file_bytes)} in the file${ratio}; ${mb(st.rss_bytes)} resident`],
       ["sessions", sessionsText(st)],
       ["prefix", prefixText(st)],
+      ["handover", handoverText(st.handovers)],
       ["queue", `${st.queue || 0} frames waiting for a pass`],
       ["batches", b.passes ? `mean ${b.mean_batch} sessions/pass, largest ${b.largest_batch}, ${b.passes} passes`
         : "no pass yet"],
@@ -209,6 +210,14 @@
     const ttl = p.ttl_s === undefined || p.ttl_s === null ? "TTL -" : `TTL ${p.ttl_s} s${p.ttl_s > 0 ? "" : " (keeping off)"}`;
     return `${n(p.entries)} kept (${mb(p.held_bytes)}, ${n(p.held_tokens)} tokens); ${hits} hit${hits === 1 ? "" : "s"}` +
            ` of ${asked} asked, ${n(p.tokens_reused)} tokens reused; ${n(p.evictions)} evicted; ${ttl}`;
+  }
+
+  function handoverText(h) {
+    // sessions' KV handed to a replica when a hop left on purpose (meshd/hop/handover.py)
+    if (!h) return "unknown";
+    const n = (v) => Number(v || 0).toLocaleString("en-US");
+    return `${n(h.sent)} sent, ${n(h.received)} received (${n(h.positions)} positions), ${n(h.failed)} failed,` +
+           ` ${n(h.refused)} refused; routes moved ${n(h.moved)}, replayed ${n(h.replayed)}`;
   }
 
   function reachText(r) {
