@@ -46,6 +46,7 @@ class Keyspace:
         self.tables: dict[bytes, tuple[float, list[bytes]]] = {}  # peer -> (built at, entries)
         self.joined: dict[bytes, float] = {}
         self.id_of: dict[bytes, str] = {}  # peer bytes -> the node's name
+        self._gone: dict[bytes, int] = {}  # points of departed peers
 
     @staticmethod
     def peer_bytes(peer_id: str) -> bytes:
@@ -58,7 +59,7 @@ class Keyspace:
         self.peer_at[p], self.point_of[peer], self.joined[peer] = peer, p, now
 
     def leave(self, peer: bytes) -> None:
-        p = self.point_of.pop(peer)
+        p = self._gone[peer] = self.point_of.pop(peer)
         del self.points[bisect.bisect_left(self.points, p)]
         del self.peer_at[p]
         self.tables.pop(peer, None)
@@ -93,7 +94,16 @@ class Keyspace:
 
     def answer(self, peer: bytes, target: int, now: float) -> list[bytes]:
         """What `peer` answers a walk towards `target`: the k closest peers of its table."""
-        return heapq.nsmallest(self.k, self.table(peer, now), key=lambda q: peer_point(q) ^ target)
+        return heapq.nsmallest(self.k, self.table(peer, now), key=lambda q: self.point(q) ^ target)
+
+    def point(self, peer: bytes) -> int:
+        """`peer_point`, remembered (a table names departed peers too)."""
+        p = self.point_of.get(peer)
+        if p is None:
+            p = self._gone.get(peer)
+            if p is None:
+                p = self._gone[peer] = peer_point(peer)
+        return p
 
     def holders(self, key: int, published_at: float) -> set[bytes]:
         """The nodes holding a record of `key`: its k closest among those live at the last publish."""
