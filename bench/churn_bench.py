@@ -41,12 +41,12 @@ def seconds(v: float | None) -> str:
 
 def print_table(res: dict) -> None:
     print(f"\n{'phase':<6} {'gens':>5} {'failed':>6} {'wrong':>5} {'p50 s':>6} {'p99 s':>6} {'max s':>6}"
-          f" {'pause s':>7} {'handovers':>9} {'fallbacks':>9} {'reroutes':>8}")
+          f" {'pause s':>7} {'handovers':>9} {'fallbacks':>9} {'reroutes':>8} {'mean load':>9}")
     for phase in ("calm", "chaos"):
         r = res[phase]
         print(f"{phase:<6} {r['generations']:>5} {r['failed']:>6} {r['wrong']:>5} {seconds(r['p50_s']):>6}"
               f" {seconds(r['p99_s']):>6} {seconds(r['max_s']):>6} {seconds(r['longest_pause_s']):>7}"
-              f" {r['handovers']:>9} {r['handover_fallbacks']:>9} {r['reroutes']:>8}")
+              f" {r['handovers']:>9} {r['handover_fallbacks']:>9} {r['reroutes']:>8} {r['mean_load']:>9}")
     print(f"\nfaults ({', '.join(f'{k} {v}' for k, v in sorted(res['fault_counts'].items()))};"
           f" {res['deferred_fault_times']} fault times deferred, no daemon could be faulted):")
     for f in res["faults"]:
@@ -58,6 +58,10 @@ def print_table(res: dict) -> None:
     print("chaos latencies, generations overlapping a restart (its start until it serves) / the others: "
           + " / ".join(f"n {split[k]['n']}, p50 {seconds(split[k]['p50_s'])} s, p99 {seconds(split[k]['p99_s'])} s"
                        for k in ("during", "outside")))
+    print("slowest under chaos (at s: latency s, longest pause s, ttft s, reroutes, hand-overs, load; around it):")
+    for g in res["slowest"]:
+        print(f"  {g['at']:7.1f}: {g['latency_s']:.2f}, {g['pause_s']:.2f}, {seconds(g['ttft_s'])}, {g['reroutes']},"
+              f" {g['handovers']}, {g['load']:.1f}; {', '.join(g['around']) or 'no fault in progress'}")
     print(f"healed: {'yes, in %.1f s' % res['heal_s'] if res['healed'] else 'NO: ' + res['not_healed']}")
     if res["entry_warnings"]:
         print(f"entry's warnings: {json.dumps(res['entry_warnings'])}")

@@ -11,6 +11,7 @@ tests/test_churn.py.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -61,6 +62,7 @@ class Outcome:
     text: str
     error: str = ""
     stats: dict = field(default_factory=dict)
+    load: float = 0.0  # the box's one-minute load average when it began (other work shares the cores)
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Clients:
 
     def generate(self, client: int, prompt: str) -> Outcome:
         p = self.plan
-        at = time.monotonic()
+        at, load = time.monotonic(), os.getloadavg()[0]
         proc = subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(self.entry.socket), "generate",
                                  "--max-tokens", str(p.tokens), "--ignore-eos", "--stats", "--timeout", "60", prompt],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -120,7 +122,7 @@ class Clients:
         stats = json.loads(lines[-1]) if code == 0 and lines and lines[-1].startswith("{") else {}
         error = "" if code == 0 else (f"killed after {p.generation_s:.0f} s; " if code < 0 else "") + err.strip()[-600:]
         return Outcome(self.phase, client, prompt, round(at - self.t0, 2), round(latency, 3), round(pause, 3), code,
-                       text, error, stats)
+                       text, error, stats, load)
 
     def stop(self, timeout: float) -> list[Outcome]:
         """No new generation; those running finish (or are killed by their PID past `timeout`)."""

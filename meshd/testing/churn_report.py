@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+DOWN = {"kill": "down (SIGKILL)", "term": "down (SIGTERM)", "stop": "frozen"}
+
 if TYPE_CHECKING:
     from meshd.testing.churn import Fault, Outcome, SoakPlan
     from meshd.testing.localmesh import DaemonProc
@@ -55,6 +57,24 @@ def during_restarts(outcomes: list[Outcome], faults: list[Fault]) -> dict:
             "outside": latencies([o for o, x in zip(outcomes, overlaps) if not x])}
 
 
+def around(o: Outcome, faults: list[Fault]) -> list[str]:
+    """What the chaos was doing while `o` ran: each daemon down or frozen, or restarting (until it served)."""
+    inf = math.inf
+    spans = [(f"{f.target} {DOWN[f.kind]}", f.at, f.back_at if f.back_at is not None else inf) for f in faults]
+    spans += [(f"{f.target} restarting", f.back_at, f.serving_at if f.serving_at is not None else inf)
+              for f in faults if f.kind != "stop" and f.back_at is not None]
+    return [what for what, a, b in spans if o.at < b and o.at + o.latency_s > a]
+
+
+def slowest(outcomes: list[Outcome], faults: list[Fault], n: int = 8) -> list[dict]:
+    """The `n` slowest generations that came back, with the entry's view of them and the chaos around."""
+    ok = sorted((o for o in outcomes if o.code == 0), key=lambda o: -o.latency_s)[:n]
+    return [{"at": o.at, "latency_s": o.latency_s, "pause_s": o.pause_s, "ttft_s": o.stats.get("ttft_s"),
+             "route_wait_s": o.stats.get("route_wait_s"), "reroutes": o.stats.get("reroutes", 0),
+             "handovers": o.stats.get("handovers", 0), "load": round(o.load, 2), "around": around(o, faults)}
+            for o in ok]
+
+
 def phase_summary(outcomes: list[Outcome], texts: dict[str, str]) -> dict:
     ok = [o for o in outcomes if o.code == 0]
     lat = [o.latency_s for o in ok]
@@ -64,7 +84,8 @@ def phase_summary(outcomes: list[Outcome], texts: dict[str, str]) -> dict:
             "longest_pause_s": max((o.pause_s for o in ok), default=None),
             "handovers": sum(o.stats.get("handovers", 0) for o in ok),
             "handover_fallbacks": sum(o.stats.get("handover_fallbacks", 0) for o in ok),
-            "reroutes": sum(o.stats.get("reroutes", 0) for o in ok)}
+            "reroutes": sum(o.stats.get("reroutes", 0) for o in ok),
+            "mean_load": round(sum(o.load for o in outcomes) / len(outcomes), 2) if outcomes else None}
 
 
 def report(plan: SoakPlan, calm: list[Outcome], stormy: list[Outcome], faults: list[Fault], deferred: int,
@@ -79,7 +100,7 @@ def report(plan: SoakPlan, calm: list[Outcome], stormy: list[Outcome], faults: l
             texts.setdefault(o.prompt, o.text)
     bad = [o for o in stormy + calm if o.code != 0 or o.text != texts.get(o.prompt)]
     return {"plan": asdict(plan), "calm": phase_summary(calm, texts), "chaos": phase_summary(stormy, texts),
-            "restart_split": during_restarts(stormy, faults), "faults": [asdict(f) for f in faults],
+            "restart_split": during_restarts(stormy, faults), "slowest": slowest(stormy, faults), "faults": [asdict(f) for f in faults],
             "fault_counts": dict(Counter(f.kind for f in faults)), "deferred_fault_times": deferred,
             "healed": heal_s is not None, "heal_s": round(heal_s, 1) if heal_s is not None else None,
             "not_healed": healed,
@@ -89,5 +110,6 @@ def report(plan: SoakPlan, calm: list[Outcome], stormy: list[Outcome], faults: l
                     for o in bad[:20]],
             "generations": [{"phase": o.phase, "client": o.client, "at": o.at, "latency_s": o.latency_s,
                              "pause_s": o.pause_s, "code": o.code, "wrong": o.code == 0 and o.text != texts.get(o.prompt),
-                             "handovers": o.stats.get("handovers", 0), "reroutes": o.stats.get("reroutes", 0)}
+                             "handovers": o.stats.get("handovers", 0), "reroutes": o.stats.get("reroutes", 0),
+                             "ttft_s": o.stats.get("ttft_s"), "load": round(o.load, 2)}
                             for o in calm + stormy]}
