@@ -29,6 +29,7 @@ class Hour:
     t2: float = 0.0
     seconds: float = 0.0
     moves: int = 0
+    flaps: int = 0  # moves back to a range the node had left
     node_s: float = 0.0  # serving-node seconds after formation
     formed: float = 0.0  # seconds after formation
     t1_formed: float = 0.0  # of them, seconds every layer had a server
@@ -90,10 +91,12 @@ class Metrics:
                     self.hour(start).heals.append(now - start)
         self.prev = list(counts)
 
-    def moved(self, now: float, reason: str) -> None:
+    def moved(self, now: float, reason: str, back: bool = False) -> None:
+        """A serving node moved; `back`: to a range it had served before (a flap)."""
         if self.formed_at is not None:
             self.hour(now).moves += 1
-            self.reasons[reason.split(" ")[0]] += 1
+            self.hour(now).flaps += back
+            self.reasons[reason.split(" ")[0].rstrip(":")] += 1
 
     def walk(self, now: float, ok: bool, hops: int, questions: int) -> None:
         self.hour(now).walks.append((ok, hops, questions))
@@ -124,7 +127,7 @@ class Metrics:
             "covered_1_formed": r(sum(h.t1_formed for h in hs) / sum(h.formed for h in hs), 5)
             if sum(h.formed for h in hs) else None,
             "heals": len(heals), "heal_s_p50": r(pct(heals, 50), 1), "heal_s_p99": r(pct(heals, 99), 1),
-            "moves": sum(h.moves for h in hs),
+            "moves": sum(h.moves for h in hs), "moves_back": sum(h.flaps for h in hs),
             "moves_per_node_hour": r(sum(h.moves for h in hs) / node_h if node_h else 0.0),
             "lookups": len(walks), "lookup_success": r(sum(w[0] for w in walks) / len(walks) if walks else None),
             "lookup_hops_p50": pct([w[1] for w in walks if w[0]], 50),

@@ -53,7 +53,7 @@ def table(report: dict) -> str:
     lines = [f"meshd.sim: {report['nodes']} nodes, {report['hours']:g} h, {report['model_layers']} layers, "
              f"capacity {report['capacity']:g}x ({report['server_seats']} serving seats), sessions "
              f"{report['session_median_min']:g} min median, NAT {report['nat_share']:.0%}, seed {report['seed']}"]
-    for k in (*KEYS, "lookup_hops_bound", "heals", "moves", "lookups", "requests", "requests_busy_share",
+    for k in (*KEYS, "lookup_hops_bound", "heals", "moves", "moves_back", "move_reasons", "lookups", "requests", "requests_busy_share",
               "formed_s", "events", "wall_s", "wall_s_per_sim_hour"):
         lines.append(f"  {k:<24} {report[k]}")
     lines.append(f"  ({report['sampling']})")

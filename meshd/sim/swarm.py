@@ -57,6 +57,7 @@ class Node:
     sessions: int = 0
     promised: int = 0
     active: set = field(default_factory=set)  # requests with a session here
+    served: set = field(default_factory=set)  # ranges it served before (a move back to one is a flap)
     peer: bytes = b""
 
 
@@ -285,9 +286,10 @@ class Swarm:
             return
         self._count(to, +1)
         self._count(node.serving, -1)
+        node.served.add(node.serving)
         node.serving = to
         self._publish(node, start=to[0], end=to[1], serving=True, auto_layers=0)
-        self.metrics.moved(self.clock.now, move.reason)
+        self.metrics.moved(self.clock.now, move.reason, back=to in node.served)
         self.clock.after(REBALANCE_PERIOD_S, self._round, node)
 
     # --- records and the view -----------------------------------------------------------------------------
