@@ -46,6 +46,9 @@ class SoakPlan:
     frozen_s: float = 6.0  # a SIGSTOPped daemon gets SIGCONT this long after
     heal_s: float = 180.0  # the end's wait for every daemon serving and every layer served twice
     generation_s: float = 120.0  # a client still running after this is killed and its generation failed
+    # a restarted daemon's imports and loading run at this nice value until it serves (0: like the others): on
+    # loopback they would take the cores of the daemons serving, which on a real mesh are other machines
+    restart_nice: int = 0
     aim: str = "busy"  # "busy": a daemon with sessions open when there is one (a fault on an idle one tells little); "any"
 
 
@@ -237,7 +240,9 @@ class Chaos:
                 d.proc.send_signal(signal.SIGCONT)
             elif not self.ending.is_set():  # the same daemon again: name, state directory, port, arguments
                 d.log.close()
-                self.daemons[d.name] = self.mesh.start(d.name, self.args[d.name], listen=self.listen[d.name])
+                nice = self.plan.restart_nice
+                self.daemons[d.name] = self.mesh.start(d.name, self.args[d.name], listen=self.listen[d.name],
+                                                       preexec_fn=(lambda: os.nice(nice)) if nice else None)
             fault.back_at = round(time.monotonic() - self.t0, 2)
             del self.pending[d.name]
             fresh = self.daemons[d.name] if fault.kind != "stop" and not self.ending.is_set() else None
@@ -246,6 +251,7 @@ class Chaos:
             st = fresh.status(timeout=5.0) if fresh.socket.exists() else None
             if st is not None and st["state"] == "serving":
                 fault.serving_at = round(time.monotonic() - self.t0, 2)
+                unnice(fresh.proc.pid)
                 return
             self.ending.wait(1.0)
 
@@ -264,6 +270,15 @@ class Chaos:
             for d in self.daemons.values():
                 if d.proc.poll() is None:
                     d.proc.send_signal(signal.SIGCONT)
+
+
+def unnice(pid: int) -> None:
+    """Every thread of process `pid` back to nice 0 (on Linux a nice value is a thread's)."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except OSError:  # it exited meanwhile (or a thread did)
+        pass
 
 
 def start_mesh(plan: SoakPlan, mesh: Mesh) -> tuple[dict[str, DaemonProc], dict[str, list[str]], dict[str, str]]:
