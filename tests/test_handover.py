@@ -115,3 +115,42 @@ def test_a_hand_over_whose_receiver_dies_falls_back_to_replay_with_the_same_text
         assert leaving.status()["handovers"]["failed"] == 1
     finally:
         m.close()
+
+
+def test_a_rebalancing_move_hands_its_old_range_s_sessions_over():
+    """An auto daemon on 10:20, the only one there when the generation starts, is joined by two fixed 10:20 daemons;
+    when one of 0:10's two servers (not the entry) dies, it moves there (a balance move); the generation crossing its
+    old range moves to another 10:20 daemon with its KV, and the old range is freed at once, not after the generation."""
+    m = Mesh(env={"MESHD_RECORD_TTL": "8", "MESHD_MOVE_COOLDOWN": "30", "MESHD_DRAIN_TIMEOUT": "60"})
+    try:
+        a = m.start("a", ["--layers", "0:10", "--threads", "1"])
+        boot = a.wait_serving()["addrs"][0]
+        join = ["--bootstrap", boot, "--threads", "1"]
+        others = [m.start(name, ["--layers", layers, *join]) for name, layers in
+                  (("a2", "0:10"), ("c", "20:30"), ("c2", "20:30"))]
+        for d in others:
+            d.wait_serving()
+        mover = m.start("mover", ["--layers", "auto", "--num-layers", "10", *join])
+        assert mover.wait_serving()["range"] == [10, 20]  # the gap
+        a.wait_for(lambda s: s["complete"], timeout=60, what="the model covered")
+        calm, _, _ = finish(generate(a.socket, 4000))
+        running = generate(a.socket, 4000)
+        first = running.stdout.read(100)
+        fixed = [m.start(name, ["--layers", "10:20", *join]) for name in ("b1", "b2")]
+        for d in fixed:
+            d.wait_serving()
+        a.wait_for(lambda s: s["coverage"][10:20] == [3] * 10, timeout=60, what="10:20 served thrice")
+        others[0].kill()  # a2, off the route: 0:10 served once, 10:20 thrice, so the mover goes there (balance)
+        st = mover.wait_for(lambda s: s["moved"].startswith("10:20 -> 0:10"), timeout=90, what="the move")
+        assert running.poll() is None, "the generation ended before the move: make it longer"
+        rest, pause, stats = finish(running)
+        assert first + rest == calm
+        assert stats["handovers"] == 1 and stats["reroutes"] == 0, stats
+        print(f"a rebalancing move: the client's longest pause {pause:.3f} s")
+        assert mover.status()["handovers"]["sent"] == 1
+        freed = next(line for line in mover.log_path.read_text().splitlines() if '"old range freed"' in line)
+        assert '"left_sessions": 0' in freed
+        assert json.loads(freed)["seconds"] < 20  # the hand-over's time, not the rest of the generation's
+        assert st["range"] == [0, 10]
+    finally:
+        m.close()

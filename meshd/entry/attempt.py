@@ -68,7 +68,7 @@ class Attempt:
         # what each opened with: see meshd/shard/prefix.py); the prefill starts there
         self.completed = False  # the generation finished on this route: its hops may keep its KV
         self.leaving: list[str] = []  # hops that said they leave (`Leaving`), in the order they said it
-        self.left = trio.Event()  # set at the first of them
+        self.left = trio.Event()  # set at each of them (then replaced)
         self.handed: dict[str, HandedOver] = {}  # how each leaving hop's hand-over ended, once it has
         self.handed_event = trio.Event()  # set at each answer (then replaced)
         self.move = None  # the `Moved` that ends this try at the next step boundary (meshd/entry/opening.py)
@@ -159,7 +159,8 @@ class Attempt:
         if isinstance(msg, Leaving):
             if peer not in self.leaving:
                 self.leaving.append(peer)
-                self.left.set()
+                woken, self.left = self.left, trio.Event()
+                woken.set()
             return
         self.handed[peer] = msg
         woken, self.handed_event = self.handed_event, trio.Event()

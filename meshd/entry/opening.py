@@ -148,18 +148,22 @@ class Routes:
         while the generation goes on; the try then ends at the next step boundary (`at.move`) and the next one
         runs over the same hops with the replica in its place, from the KV handed over. If the hand-over fails,
         the next try is planned without the leaving hop and replays (a hop that leaves waits for nobody)."""
-        await at.left.wait()
-        peer = at.leaving[0]
-        try:
-            move = await self._hand_over(at, route, peer, gen)
-        except Exception as exc:  # a replica that cannot be reached or refuses: replay instead
-            move = Moved(peer, reason=f"{type(exc).__name__}: {exc}")
-        if move is None:  # no replica serves its layers: the generation stays, and the hop waits for it (its drain)
-            log.info("a hop leaves, and no other serves its layers: staying on it", peer=peer[-8:])
+        told = 0
+        while True:
+            while len(at.leaving) <= told:  # the hops that say they leave, each once, as they say it
+                await at.left.wait()
+            peer, told = at.leaving[told], told + 1
+            try:
+                move = await self._hand_over(at, route, peer, gen)
+            except Exception as exc:  # a replica that cannot be reached or refuses: replay instead
+                move = Moved(peer, reason=f"{type(exc).__name__}: {exc}")
+            if move is None:  # no replica serves its layers: the generation stays, and the hop waits for it (a drain)
+                log.info("a hop leaves, and no other serves its layers: staying on it", peer=peer[-8:])
+                continue
+            at.move = move
+            log.info("a hop leaves: " + ("its KV was handed over" if move.route is not None else "replaying without it"),
+                     peer=peer[-8:], positions=move.positions, reason=move.reason or None)
             return
-        at.move = move
-        log.info("a hop leaves: " + ("its KV was handed over" if move.route is not None else "replaying without it"),
-                 peer=peer[-8:], positions=move.positions, reason=move.reason or None)
 
     async def _hand_over(self, at: Attempt, route: Route, peer: str, gen: Generation) -> Moved | None:
         """Ask a replica of leaving hop `peer`'s layers to take its session's KV, and `peer` to send it there
@@ -265,3 +269,4 @@ async def _answer_of_a_live_hop(channel: Channel):
         if not isinstance(msg, Heartbeat):
             return msg
         alive = True
+
