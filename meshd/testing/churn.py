@@ -192,7 +192,7 @@ class Chaos:
         with sessions open where there is one."""
         with self.lock:
             calm = [n for n, d in self.daemons.items() if n not in self.pending and d.proc.poll() is None]
-        statuses = {n: self.daemons[n].status(timeout=5.0) for n in calm}
+        statuses = {n: answer(self.daemons[n]) for n in calm}
         up = {n for n, st in statuses.items() if st is not None and st["state"] == "serving"}
         entry = next(iter(self.daemons))
         seen = (statuses.get(entry) or {}).get("coverage") or []
@@ -248,7 +248,7 @@ class Chaos:
             fresh = self.daemons[d.name] if fault.kind != "stop" and not self.ending.is_set() else None
         while fresh is not None and fresh.proc.poll() is None and not self.ending.is_set() \
                 and time.monotonic() - struck < self.plan.heal_s:
-            st = fresh.status(timeout=5.0) if fresh.socket.exists() else None
+            st = answer(fresh)
             if st is not None and st["state"] == "serving":
                 fault.serving_at = round(time.monotonic() - self.t0, 2)
                 unnice(fresh.proc.pid)
@@ -270,6 +270,17 @@ class Chaos:
             for d in self.daemons.values():
                 if d.proc.poll() is None:
                     d.proc.send_signal(signal.SIGCONT)
+
+
+def answer(d: DaemonProc, timeout: float = 5.0) -> dict | None:
+    """`d`'s status, or None when it has no socket yet or does not answer within `timeout` (frozen, or
+    starved on a loaded box): such a daemon is not serving for the chaos loop."""
+    if not d.socket.exists():
+        return None
+    try:
+        return d.status(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def unnice(pid: int) -> None:
@@ -344,9 +355,9 @@ def run_soak(plan: SoakPlan = SoakPlan(), say=lambda line: print(line, file=sys.
         chaos.settle(timeout=LEAVE_S + plan.down_s + 10)
         try:
             heal_s, healed = wait_whole(plan, daemons, plan.heal_s), ""
-        except AssertionError as exc:
+        except (AssertionError, subprocess.TimeoutExpired) as exc:  # not whole in time, or a status unanswered
             heal_s, healed = None, str(exc)[-2000:]
-        ends = {n: d.status(timeout=5.0) or {} for n, d in daemons.items()}
+        ends = {n: answer(d) or {} for n, d in daemons.items()}
         return report(plan, calm, stormy, chaos.faults, chaos.deferred, heal_s, healed, ends, entry_events(entry))
     finally:
         if chaos is not None:
