@@ -29,6 +29,18 @@ def test_the_same_seed_gives_the_same_report_and_another_seed_another():
     assert deterministic(a) != deterministic(c)
 
 
+def test_a_run_does_not_depend_on_the_process_hash_seed():
+    """Two processes with different PYTHONHASHSEED (set and dict orders of strings) print the same run."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "meshd.sim", "--nodes", "60", "--hours", "0.3", "--seed", "5", "--json"]
+    runs = [json.loads(subprocess.run(args, capture_output=True, text=True, check=True, cwd=ROOT,
+                                      env={**os.environ, "PYTHONHASHSEED": h}).stdout) for h in ("1", "2")]
+    assert deterministic(runs[0]) == deterministic(runs[1])
+
+
 def test_the_command_line_prints_the_keys_the_issue_names_and_draws_a_png(capsys, tmp_path):
     png = tmp_path / "run.png"
     main(["--nodes", "40", "--hours", "0.2", "--model-layers", "20", "--capacity", "2", "--session-median-min", "60",

@@ -56,7 +56,7 @@ class Node:
     backoff: dict[str, float] = field(default_factory=dict)
     sessions: int = 0
     promised: int = 0
-    active: set = field(default_factory=set)  # requests with a session here
+    active: set = field(default_factory=set)  # numbers of the requests with a session here
     served: set = field(default_factory=set)  # ranges it served before (a move back to one is a flap)
     peer: bytes = b""
 
@@ -136,7 +136,7 @@ class Swarm:
         del self.nodes[node.peer_id]
         if node.peer_id in self.ledgers:
             del self.ledgers[node.peer_id], self.relay_records[node.peer_id]
-            for pid in self.holders.pop(node.peer_id, set()):
+            for pid in sorted(self.holders.pop(node.peer_id, set())):
                 held = self.nodes.get(pid)
                 if held is not None:
                     held.relays.discard(node.peer_id)
@@ -161,7 +161,7 @@ class Swarm:
 
     def relays_of(self, b: Node) -> list[str]:
         """The relays b holds a reservation at, nearest to b first."""
-        return sorted((p for p in b.relays if p in self.ledgers), key=lambda p: rtt_s(self.nodes[p].place, b.place))
+        return sorted((p for p in b.relays if p in self.ledgers), key=lambda p: (rtt_s(self.nodes[p].place, b.place), p))
 
     def _reserve(self, node: Node) -> None:
         """A private node's relay client: reserve at relays `choose_relays` names until it holds enough."""
@@ -190,7 +190,7 @@ class Swarm:
         ledger = self.ledgers.get(relay_id)
         if ledger is None:
             return
-        for pid in self.holders.get(relay_id, ()):
+        for pid in sorted(self.holders.get(relay_id, ())):
             ledger.reserve(pid, self.clock.now)
         self.clock.after(RENEW_S, self._renew, relay_id)
 

@@ -44,6 +44,7 @@ class Request:
     step_s: float = 0.0
     epoch: int = 0
     priced: bool = False
+    n: int = 0  # arrival number
 
 
 class Traffic:
@@ -51,6 +52,8 @@ class Traffic:
         self.swarm, self.spec = swarm, swarm.spec
         self.rng, self.rng_walk = self.spec.rng("requests"), self.spec.rng("walks")
         swarm.on_lost = self.lost
+        self.pending: dict[int, Request] = {}  # arrivals with sessions open, by number
+        self.arrivals = 0
         self.clock = swarm.clock
 
     def start(self) -> None:
@@ -75,8 +78,10 @@ class Traffic:
             self.swarm.metrics.request(now, "failed")
             return
         entry = entries[int(self.rng.random() * len(entries))]
+        self.arrivals += 1
         req = Request(entry, tokens(self.rng, self.spec.prompt_tokens_median),
-                      tokens(self.rng, self.spec.gen_tokens_median), Retries(deadline=now + BUSY_WAIT_S))
+                      tokens(self.rng, self.spec.gen_tokens_median), Retries(deadline=now + BUSY_WAIT_S),
+                      n=self.arrivals)
         self.attempt(req)
 
     def need(self, node: Node) -> int:
@@ -161,7 +166,7 @@ class Traffic:
             node.promised -= self.need(node) if node.serving else 0
             node.promised = max(0, node.promised)
             if req is not None:
-                node.active.discard(id(req))
+                node.active.discard(req.n)
             if circuit and circuit[0] in self.swarm.ledgers:
                 self.swarm.ledgers[circuit[0]].close(circuit[1])
         opened.clear()
@@ -174,9 +179,8 @@ class Traffic:
         replay = req.prompt + req.done
         req.step_s, req.started = step, now + step * (replay / PREFILL_TOKENS_PER_STEP)
         for n in chain:
-            n.active.add(id(req))
-        self.pending = getattr(self, "pending", {})
-        self.pending[id(req)] = req
+            n.active.add(req.n)
+        self.pending[req.n] = req
         if not req.priced:
             req.priced = True
             self.price(req.entry, route)
@@ -186,12 +190,12 @@ class Traffic:
         if epoch != req.epoch or not req.hops:
             return
         self.release(req.hops, req)
-        self.pending.pop(id(req), None)
+        self.pending.pop(req.n, None)
         self.end(req, "done")
 
     def lost(self, node: Node) -> None:
         """`node` died: each of its sessions' generations fails over after FROZEN_S."""
-        for rid in list(node.active):
+        for rid in sorted(node.active):  # in arrival order: a run must not depend on set order
             req = self.pending.get(rid)
             if req is None or not req.hops:
                 continue
