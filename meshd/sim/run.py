@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from meshd.sim.dht import hops_bound
 from meshd.sim.metrics import HOUR
 from meshd.sim.swarm import Swarm
 from meshd.sim.traffic import Traffic
@@ -35,7 +36,7 @@ def simulate(spec: WorldSpec) -> tuple[dict, Swarm]:
            "server_seats": swarm.n_server_seats, "formed_s": None if m.formed_at is None else round(m.formed_at, 1),
            **m.summary(), "events": events, "wall_s": round(wall, 2),
            "wall_s_per_sim_hour": round(wall / max(spec.hours, 1e-9), 3),
-           "lookup_hops_bound": round(__import__("math").log2(max(2, spec.seats())), 2),
+           "lookup_hops_bound": round(hops_bound(spec.seats()), 2),
            "move_reasons": dict(m.reasons),
            "sampling": f"DHT lookups sampled at {spec.walks_per_hour:g} an hour (not one per publish and refresh);"
                        f" routes priced for every request; load sampled every minute",

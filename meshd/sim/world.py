@@ -14,6 +14,7 @@ city, ~150 ms across the world. Each measurement multiplies it by a lognormal ji
 from __future__ import annotations
 
 import csv
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -170,8 +171,6 @@ class Clockwork:
     count: int = 0
 
     def at(self, t: float, fn, *args) -> None:
-        import heapq
-
         self.count += 1
         heapq.heappush(self.heap, (t, self.count, fn, args))
 
@@ -180,8 +179,6 @@ class Clockwork:
 
     def run_until(self, end: float) -> int:
         """Runs events up to `end`; the number run."""
-        import heapq
-
         ran = 0
         while self.heap and self.heap[0][0] <= end:
             t, _, fn, args = heapq.heappop(self.heap)
