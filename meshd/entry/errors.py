@@ -95,5 +95,7 @@ class Moved(Exception):
 
     def __init__(self, peer_id: str, route=None, positions: int = 0, reason: str = ""):
         self.peer_id, self.route, self.positions, self.reason = peer_id, route, positions, reason
+        self.channels: dict = {}  # the streams of the hops that stay, each carrying its old session's Close before
+        # the next try's OpenSession (so the KV it keeps is there to start from: meshd/entry/opening.py)
         super().__init__(f"hop {peer_id[-8:]} leaves: " + (f"{positions} positions handed over" if route is not None
                                                            else f"hand-over failed ({reason})"))

@@ -145,6 +145,7 @@ class Entry:
                           lapse_wait_s=self.mesh.ttl_s)
         disagreed: RoutesDisagree | None = None  # two routes' tokens differed: a third route must settle it
         route: Route | None = None  # the next try's route, when it is chosen already (a hand-over's)
+        channels: dict = {}  # ... and the streams of its hops that stayed
         while True:
             try:
                 try:
@@ -154,8 +155,8 @@ class Entry:
                     if gen.check is not None:
                         await run_checked(self, req, gen, sampling, retries, text, emit)
                     else:
-                        route, chosen_route = None, route
-                        await self.attempt(req, gen, sampling, retries, text, emit, chosen_route)
+                        (route, chosen_route), (channels, kept_channels) = (None, route), ({}, channels)
+                        await self.attempt(req, gen, sampling, retries, text, emit, chosen_route, kept_channels)
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
@@ -165,7 +166,7 @@ class Entry:
                 pass
             except Moved as exc:  # a hop left: its replica holds its KV (else the next route goes without it)
                 retries.left(exc.peer_id)
-                route, gen.resume = exc.route, exc.route is not None
+                route, channels, gen.resume = exc.route, exc.channels, exc.route is not None
                 gen.handovers += exc.route is not None
                 gen.handover_fallbacks += exc.route is None
                 self.handovers += exc.route is not None
@@ -204,12 +205,12 @@ class Entry:
         return self.routes.plan(failed, busy, avoid)
 
     async def attempt(self, req, gen: Generation, sampling, retries: Retries, text, emit,
-                      route: Route | None = None) -> None:
+                      route: Route | None = None, channels: dict | None = None) -> None:
         """One try at the generation over `route` (else one planned around the failed and busy hops),
-        its text emitted as it comes."""
+        its text emitted as it comes; `channels`: streams to some of its hops to open their sessions on."""
         route = self.routes.plan(retries.failed, retries.busy, gen=gen) if route is None else route
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
-        async with self.routes.open_route(route, retries.epoch, req, gen, sampling) as at:
+        async with self.routes.open_route(route, retries.epoch, req, gen, sampling, channels) as at:
             token = await self.first_token(at, gen)
             await self._decode(at, req, gen, text, [token], emit)
             at.completed = True

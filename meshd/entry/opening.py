@@ -88,10 +88,13 @@ class Routes:
         return route
 
     @asynccontextmanager
-    async def open_route(self, route: Route, epoch: int, req, gen: Generation, sampling):
+    async def open_route(self, route: Route, epoch: int, req, gen: Generation, sampling, channels: dict | None = None):
         """An `Attempt` with a session open on this daemon and on every hop of `route`, its hops'
         outputs moving (pumps, pings) while the caller drives it; every session released after. The
-        sessions open on the generation's RoPE table, the long one once its sequence is past the short."""
+        sessions open on the generation's RoPE table, the long one once its sequence is past the short.
+        `channels`: streams to hops of the route (by peer) to open the sessions on, where a try that ended
+        left them (a hand-over's: `Moved.channels`); those not taken are closed."""
+        channels = dict(channels or {})
         if gen.take_table():
             log.info("longrope: the sequence is past the short RoPE table; its sessions open on the long table"
                      " and compute it anew", positions=len(gen.prefill_ids), switch=gen.switch,
@@ -108,7 +111,7 @@ class Routes:
                 for i, hop in enumerate(route.hops):
                     nxt = route.hops[i + 1] if i + 1 < len(route.hops) else None
                     channel, forwards, reused = await self._open_hop(hop, sid, epoch, req, gen, sampling, nxt,
-                                                                     microbatch, asked)
+                                                                     microbatch, asked, channels.pop(hop.peer_id, None))
                     at.add_hop(hop.peer_id, channel, forwards)
                     at.opened_with(reused)
                 gen.started_from(at.reused or 0)
@@ -135,13 +138,23 @@ class Routes:
                 self.affinity.remember(held, route.describe())
             with trio.CancelScope(shield=True):
                 await self.service.release((sid, epoch), held)
+                staying = {}  # a hand-over's next try opens its sessions on the streams of the hops that stay:
+                # each takes this Close (keeping its KV) before that OpenSession, which starts from the KV
                 with trio.move_on_after(2.0):
-                    for _, channel in at.hops:
+                    for peer, channel in at.hops:
                         try:
                             await channel.send(Close(session_id=sid, epoch=epoch, keep=prefix.pack(held)))
                         except ChannelClosed:
-                            pass
+                            continue
+                        if moving and peer != at.move.peer_id:
+                            staying[peer] = channel
+                if moving:
+                    at.move.channels = staying
+                for peer, channel in at.hops:
+                    if peer not in staying:
                         await channel.aclose()
+                for channel in channels.values():  # left to this try, and not taken
+                    await channel.aclose()
 
     async def _when_a_hop_leaves(self, at: Attempt, route: Route, gen: Generation) -> None:
         """When a hop of the route says it leaves, have its KV handed over to a replica (`meshd/hop/handover.py`)
@@ -218,17 +231,18 @@ class Routes:
             raise GenerationError(reply[0].code, reply[0].message)  # `busy`: waited on by generate
         return reply[0].reused
 
-    async def _open_hop(self, hop, sid, epoch, req, gen, sampling, nxt=None, microbatch=0, asked=b""
+    async def _open_hop(self, hop, sid, epoch, req, gen, sampling, nxt=None, microbatch=0, asked=b"", channel=None
                         ) -> tuple[Channel, bool, int]:
-        """A session on a hop: its stream, whether the hop sends its output on to `nxt` itself, and the
-        prompt positions it holds already."""
+        """A session on a hop (on `channel`, a stream to it already open, else a new one): its stream, whether the
+        hop sends its output on to `nxt` itself, and the prompt positions it holds already."""
         try:
             with trio.fail_after(OPEN_TIMEOUT):
-                stream = await self.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
-                channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+                if channel is None:
+                    stream = await self.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
+                    channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
                 await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch,
                                                   asked))
-                reply = await _answer_of_a_live_hop(channel)
+                reply = await _answer_of_a_live_hop(channel, sid)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
             raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}", opening=True) from None
         except Exception as exc:  # libp2p dial and negotiation errors
@@ -257,16 +271,18 @@ class Routes:
         return True
 
 
-async def _answer_of_a_live_hop(channel: Channel):
-    """A hop's answer to the OpenSession just sent: a ping goes after it, which a live hop's reader echoes at once
-    however busy its compute thread is; a hop that echoes nothing within OPEN_SILENT_S is frozen (SIGSTOP), and
-    fails the open (TooSlowError) rather than holding it until it thaws. A live one is given OPEN_TIMEOUT."""
+async def _answer_of_a_live_hop(channel: Channel, sid: bytes = b""):
+    """A hop's answer to the OpenSession (of session `sid`) just sent: a ping goes after it, which a live hop's
+    reader echoes at once however busy its compute thread is; a hop that echoes nothing within OPEN_SILENT_S is
+    frozen (SIGSTOP), and fails the open (TooSlowError) rather than holding it until it thaws. A live one is given
+    OPEN_TIMEOUT. What a stream carried over from an ended session still brings of it is passed over."""
     await channel.send(Heartbeat(seq=0))
     deadline, alive = trio.current_time() + OPEN_TIMEOUT, False
     while True:
         wait = deadline - trio.current_time() if alive else OPEN_SILENT_S
         msg = await channel.receive(max(0.0, wait))
-        if not isinstance(msg, Heartbeat):
+        if isinstance(msg, Heartbeat):
+            alive = True
+        elif not sid or getattr(msg, "session_id", sid) in (sid, b""):
             return msg
-        alive = True
 

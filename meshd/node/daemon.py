@@ -119,8 +119,10 @@ class Daemon:
                 with self.stopping.drain_scope:  # a second stop request cancels the wait
                     await self.drain("stop", self.settings.drain_timeout)
                 self.lifecycle.to(State.STOPPING)
-                log.info("stopping: withdrawing record")
-                await self.mesh.withdraw()
+                if self.mesh.record.serving:  # a drain withdrew it already: peers were told once
+                    log.info("stopping: withdrawing record")
+                    await self.mesh.withdraw()
+                log.info("stopping")
                 nursery.cancel_scope.cancel()
 
     async def _come_up(self, dht, key_pair, fixed, nursery) -> ControlServer:
@@ -195,12 +197,14 @@ class Daemon:
             log.info("draining", reason=reason, sessions=len(self.slot.shard.kv), generations=self.active_generations,
                      timeout_s=timeout)
             self.mesh.record = replace(self.mesh.record, leaving=True)  # rebalancing plans go without it
-            await self.mesh.withdraw()
             # the entries of the sessions crossing this daemon may move them to a replica at once, their KV
-            # handed over (meshd/hop/handover.py); the others finish here, or replay when it leaves
+            # handed over (meshd/hop/handover.py); the others finish here, or replay when it leaves. Told
+            # first: withdrawing the record may wait on slow peers
             told = await self.slot.service.announce_leaving()
             if told:
                 log.info("told the entries of sessions here that it leaves", sessions=told)
+            log.info("withdrawing record")
+            await self.mesh.withdraw()
         t0 = time.monotonic()
         endpoint = self.slot.service.endpoint
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
