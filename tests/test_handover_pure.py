@@ -7,10 +7,10 @@ import pytest
 from meshd import wire as w
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord
-from meshd.entry.errors import HopFailed
+from meshd.entry.errors import GenerationError, HopFailed
 from meshd.entry import opening
 from meshd.entry.policy import MAX_UNREACHED, Retries, Suspects
-from meshd.entry.route import Hop, Route, replaced
+from meshd.entry.route import Hop, Route, plan_around, replaced
 from meshd.entry.state import Generation
 from meshd.hop import handover
 from meshd.hop.endpoint import ShardEndpoint, token_frame
@@ -184,6 +184,24 @@ def test_a_hop_that_cannot_be_reached_to_open_costs_no_attempt_while_others_rema
     r = Retries(deadline=30.0)
     r.left("d")  # a hop that left on purpose: planned around, no failure
     assert r.failures == 0 and r.failed == {"d"}
+
+
+def test_with_every_server_of_a_range_failed_a_silent_one_is_retried_before_one_that_could_not_be_reached():
+    """Seen in the churn soak: 20:30's two servers failed one generation, one silent on a loaded box (alive), the
+    other killed; the plan retried the dead one (its record still stood), whose dial failure was the third
+    failure. Now the dead one's re-open costs no attempt, and the next plan takes the silent one."""
+    cov = CoverageMap(30, (record("b", 10, 20), record("dead", 20, 30, 900.0), record("slow", 20, 30, 50.0)))
+    r = Retries(deadline=30.0)
+    r.after_failure(HopFailed("slow", "silent for 1.6 s"))
+    r.after_failure(HopFailed("dead", "stream closed: StreamEOF"))
+    route, retried = plan_around(cov, 10, lambda p: 0.001, "e", r.failed, r.busy, unreachable=r.unreachable)
+    assert retried and route.describe()[-1][0] == "dead"  # the faster one first: nothing says it is gone yet
+    r.after_failure(HopFailed("dead", "could not open a session: SwarmDialAllFailedError", opening=True))
+    assert r.failures == 2 and r.unreachable == {"dead"}  # its dial failure spends no attempt
+    route, retried = plan_around(cov, 10, lambda p: 0.001, "e", r.failed, r.busy, unreachable=r.unreachable)
+    assert retried and route.describe()[-1][0] == "slow"
+    with pytest.raises(GenerationError):  # unreachable a second time: it counts, the third failure
+        r.after_failure(HopFailed("dead", "could not open a session", opening=True))
 
 
 def test_a_hop_that_failed_is_avoided_by_later_routes_a_while_or_until_it_answers():

@@ -93,8 +93,9 @@ class Moved(Exception):
     (`meshd/hop/handover.py`): only the positions since are computed. With `route` None the hand-over failed
     (`reason`), and the next try is planned without the leaving hop and replays. Not a failure of any hop."""
 
-    def __init__(self, peer_id: str, route=None, positions: int = 0, reason: str = ""):
+    def __init__(self, peer_id: str, route=None, positions: int = 0, reason: str = "", tried: bool = True):
         self.peer_id, self.route, self.positions, self.reason = peer_id, route, positions, reason
+        self.tried = tried  # a hand-over was tried (False: replaying was as cheap, under a block computed)
         self.channels: dict = {}  # the streams of the hops that stay, each carrying its old session's Close before
         # the next try's OpenSession (so the KV it keeps is there to start from: meshd/entry/opening.py)
         super().__init__(f"hop {peer_id[-8:]} leaves: " + (f"{positions} positions handed over" if route is not None

@@ -166,11 +166,12 @@ class Entry:
                 pass
             except Moved as exc:  # a hop left: its replica holds its KV (else the next route goes without it)
                 retries.left(exc.peer_id)
+                self.routes.suspects.failed(exc.peer_id, time.monotonic())  # new generations keep off it too
                 route, channels, gen.resume = exc.route, exc.channels, exc.route is not None
                 gen.handovers += exc.route is not None
-                gen.handover_fallbacks += exc.route is None
+                gen.handover_fallbacks += exc.tried and exc.route is None
                 self.handovers += exc.route is not None
-                self.handover_fallbacks += exc.route is None
+                self.handover_fallbacks += exc.tried and exc.route is None
             except HopFailed as exc:
                 if exc.busy_s is not None:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])
@@ -208,7 +209,8 @@ class Entry:
                       route: Route | None = None, channels: dict | None = None) -> None:
         """One try at the generation over `route` (else one planned around the failed and busy hops),
         its text emitted as it comes; `channels`: streams to some of its hops to open their sessions on."""
-        route = self.routes.plan(retries.failed, retries.busy, gen=gen) if route is None else route
+        route = (self.routes.plan(retries.failed, retries.busy, gen=gen, unreachable=retries.unreachable)
+                 if route is None else route)
         gen.begin_attempt([[self.mesh.peer_id, 0, self.end]] + route.describe())
         async with self.routes.open_route(route, retries.epoch, req, gen, sampling, channels) as at:
             token = await self.first_token(at, gen)

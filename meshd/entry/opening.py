@@ -61,8 +61,8 @@ class Routes:
         """Where the hash chains of a generation's tokens start (`meshd/shard/prefix.py`)."""
         return prefix.root(self.model_fp, self.recipe_fp, gen.rope_table)
 
-    def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset(), gen: Generation | None = None
-             ) -> Route:
+    def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset(), gen: Generation | None = None,
+             unreachable: set[str] = frozenset()) -> Route:
         """A route from this entry's layers on, around the hops that failed, those that are full and
         those excluded after a check; through peers in `avoid` only where no other serves the layers.
         With `gen`, the route that kept the KV of the longest prefix of its prompt, where one did and
@@ -80,7 +80,7 @@ class Routes:
                 return kept
         try:
             route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
-                                         set(avoid) | suspects)
+                                         set(avoid) | suspects, unreachable)
         except NoRoute as exc:
             raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
         if retried:
@@ -188,7 +188,7 @@ class Routes:
             return None
         held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
         if not held:
-            return Moved(peer, reason="under one block computed: replaying is as cheap")
+            return Moved(peer, reason="under one block computed: replaying is as cheap", tried=False)
         i = next(i for i, h in enumerate(route.hops) if h.peer_id == peer)
         hop, target = route.hops[i], new.hops[i]
         ticket, positions = os.urandom(16), len(held) * prefix.BLOCK
@@ -244,7 +244,8 @@ class Routes:
                                                   asked))
                 reply = await _answer_of_a_live_hop(channel, sid)
         except (trio.TooSlowError, ChannelClosed, WireError, OSError) as exc:
-            raise HopFailed(hop.peer_id, f"could not open a session: {exc or type(exc).__name__}", opening=True) from None
+            raise HopFailed(hop.peer_id, f"could not open a session: {str(exc) or type(exc).__name__}",
+                            opening=True) from None
         except Exception as exc:  # libp2p dial and negotiation errors
             raise HopFailed(hop.peer_id, f"could not open a session: {type(exc).__name__}: {exc}", opening=True) from None
         if isinstance(reply, Error):

@@ -56,6 +56,7 @@ class Retries:
     busy: set[str] = field(default_factory=set)
     failures: int = 0
     unreached: int = 0  # hops that could not be reached to open a session (not counted in `failures`)
+    unreachable: set[str] = field(default_factory=set)  # ... their peers: tried again last (`plan_around`)
     epoch: int = 0
     reroutes: int = 0
     refreshed: bool = False
@@ -93,9 +94,9 @@ class Retries:
             return
         # a hop that could not be reached before anything ran there is passed over for another replica or
         # route (a route exists while the plan finds one) without spending an attempt; so many such end it
-        first_time = exc.peer_id not in self.failed
-        if exc.opening and first_time and self.unreached < MAX_UNREACHED:
-            self.unreached += 1
+        if exc.opening and exc.peer_id not in self.unreachable and self.unreached < MAX_UNREACHED:
+            self.unreached += 1  # also a hop that failed before (a dead one retried for want of another)
+            self.unreachable.add(exc.peer_id)
         else:
             self.failures += 1
         if not exc.retriable or self.failures == self.max_attempts:

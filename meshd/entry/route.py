@@ -143,21 +143,25 @@ def _gaps(served: list[int], start: int) -> list[tuple[int, int]]:
 
 
 def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed: set[str] = frozenset(),
-                busy: set[str] = frozenset(), avoid: set[str] = frozenset()) -> tuple[Route, bool]:
+                busy: set[str] = frozenset(), avoid: set[str] = frozenset(),
+                unreachable: set[str] = frozenset()) -> tuple[Route, bool]:
     """A route from layer `start` around the hops that failed and those that are full; and whether it
     had to try a failed hop again because no other covers its layers (a broken stream is not always a
-    dead peer; a generation's bounded attempts stop a hop that keeps failing). A full hop is never
-    retried: `NoRoute` then, which the caller waits on."""
+    dead peer; a generation's bounded attempts stop a hop that keeps failing). A hop that could not even
+    be reached (`unreachable`: its process is gone, its record not yet lapsed) is tried again only where
+    no failed hop that might be alive (one gone silent on a loaded box) serves the layers. A full hop is
+    never retried: `NoRoute` then, which the caller waits on."""
     try:
         return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id},
                           avoid=avoid), False
     except NoRoute:
         if not failed:
             raise
-        try:
-            return plan_route(coverage, start, latency=latency, exclude=set(busy) | {own_id}, avoid=avoid), True
-        except NoRoute:
-            pass
+        for exclude in ({*busy, *unreachable, own_id}, {*busy, own_id}) if unreachable else ({*busy, own_id},):
+            try:
+                return plan_route(coverage, start, latency=latency, exclude=exclude, avoid=avoid), True
+            except NoRoute:
+                pass
         raise
 
 
