@@ -33,6 +33,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+from common import cpu_flags
+
 from meshd.cli.ctl import new_request_id, stream_answer
 from meshd.node.settings import default_cache_dir
 from meshd.shard import blocks
@@ -50,14 +52,6 @@ QUESTIONS = ["Who created Python, and where?", "What happened to the Python team
 TIMEOUT = 900.0  # seconds one answer's events may be apart (a full prefill on the synthetic model takes long)
 GOAL = 10.0
 ROOM_A_TURN = 40  # positions a turn takes besides its answer: the question and the chat template's markers
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector flags (avx2, avx512*) as /proc/cpuinfo lists them."""
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx2", "avx512", "fma")))
-    return []
 
 
 def synthetic_model() -> Path:

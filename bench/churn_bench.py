@@ -27,16 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from common import cpu_flags
+
 from meshd.shard import blocks
 from meshd.testing.churn import SoakPlan, run_soak
 
 P99_SLACK_S = 2.0
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector flags (avx2, avx512*, fma) as /proc/cpuinfo lists them."""
-    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx2", "avx512", "fma")))
 
 
 def seconds(v: float | None) -> str:
