@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import replace
 from pathlib import Path
 
+from common import cpu_flags
 from meshd.sim.run import simulate
 from meshd.sim.world import WorldSpec
 
 COLS = ("nodes", "capacity", "session_median_min", "server_seats", "covered_1", "covered_2", "covered_1_formed", "heal_s_p50",
         "heal_s_p99", "moves_per_node_hour", "lookup_success", "lookup_hops_p99", "lookup_hops_bound",
         "route_over_best_p50", "route_over_best_p99", "load_max_over_mean", "requests_failed_share", "wall_s")
-
-
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    return " ".join(sorted(set(re.findall(r"avx512[a-z_]*|avx2", text)))) or "none"
 
 
 def main() -> None:
@@ -49,11 +41,12 @@ def main() -> None:
                 report.pop("per_hour")
                 rows.append(report)
                 print(" ".join(f"{c}={report[c]}" for c in COLS), flush=True)
-    print(f"\nCPU flags: {cpu_flags()}")
+    flags = " ".join(cpu_flags()) or "none"
+    print(f"\nCPU flags: {flags}")
     print(" | ".join(COLS))
     for r in rows:
         print(" | ".join(str(r[c]) for c in COLS))
-    out = json.dumps({"cpu_flags": cpu_flags(), "hours": a.hours, "runs": rows})
+    out = json.dumps({"cpu_flags": flags, "hours": a.hours, "runs": rows})
     print(out)
     if a.out:
         Path(a.out).write_text(out + "\n")
