@@ -27,7 +27,7 @@ from common import cpu_flags, median
 
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import load_tokenizer
-from meshd.testing.localmesh import Mesh, read_rest
+from meshd.testing.localmesh import Mesh, free_port, read_rest
 
 PROMPT = "Write a long essay on the history of shipbuilding, from the first dugout canoes to container ships."
 AFTER = 100  # tokens generated after the disruption
@@ -63,9 +63,10 @@ def in_use(daemons):
     raise RuntimeError("no 10:20 daemon holds the session")
 
 
-def restart(mesh: Mesh, gone, boot: str):
-    """The disrupted daemon again, from its state directory (same peer id), serving 10:20."""
-    fresh = mesh.start(gone.name, ["--layers", "10:20", "--bootstrap", boot, "--threads", "1"])
+def restart(mesh: Mesh, gone, boot: str, listen: dict):
+    """The disrupted daemon again, from its state directory (same peer id) and on its port (as a service restarts:
+    a record of its old address may still stand), serving 10:20."""
+    fresh = mesh.start(gone.name, ["--layers", "10:20", "--bootstrap", boot, "--threads", "1"], listen=listen[gone.name])
     fresh.wait_serving()
     return fresh
 
@@ -75,9 +76,16 @@ def run(args) -> dict:
     mesh = Mesh(env={"MESHD_RECORD_TTL": "8", "MESHD_DRAIN_TIMEOUT": "60"})
     rows = []
     try:
-        entry, b1, b2, tail = mesh.start_chain(RANGES, extra=["--threads", "1"])
-        boot = entry.status()["addrs"][0]
-        middle = [b1, b2]
+        entry = mesh.start("d0", ["--layers", "0:10", "--threads", "1"])
+        boot = entry.wait_serving()["addrs"][0]
+        listen = {name: f"/ip4/127.0.0.1/tcp/{free_port()}" for name in ("d1", "d2")}
+        middle = [mesh.start(name, ["--layers", "10:20", "--bootstrap", boot, "--threads", "1"], listen=listen[name])
+                  for name in ("d1", "d2")]
+        tail = mesh.start("d3", ["--layers", "20:30", "--bootstrap", boot, "--threads", "1"])
+        for d in (*middle, tail):
+            d.wait_serving()
+        entry.wait_for(lambda s: s["complete"] and sorted(s["coverage"]) == [1] * 20 + [2] * 10, timeout=60,
+                       what="10:20 served twice")
         for length in args.lengths:
             total = length + AFTER
             calm = generate(entry, total)
@@ -105,7 +113,7 @@ def run(args) -> dict:
                                  "same_text": code == 0 and head + rest == text, "handovers": stats.get("handovers"),
                                  "reroutes": stats.get("reroutes")})
                     print(json.dumps(rows[-1]), flush=True)
-                    middle = [d for d in middle if d is not victim] + [restart(mesh, victim, boot)]
+                    middle = [d for d in middle if d is not victim] + [restart(mesh, victim, boot, listen)]
                     entry.wait_for(lambda s: sorted(s["coverage"]) == [1] * 20 + [2] * 10, timeout=60,
                                    what="10:20 served twice again")
     finally:
