@@ -59,8 +59,8 @@ def prefill(ep, sid: bytes, ids: list[int], start: int = 0):
     return replies[0]
 
 
-def chunks(shard, key, positions: int, step: int = 32):
-    for a in range(0, positions, step):
+def chunks(shard, key, positions: int, step: int = 32, start: int = 0):
+    for a in range(start, positions, step):
         k, v = handover.read_chunk(shard, key, a, min(positions, a + step))
         yield a, k, v
 
@@ -71,13 +71,17 @@ def test_handed_over_kv_computes_the_bits_the_sender_s_would(shard):
     receiver = ShardEndpoint(shard, "m", "r")
     (opened,) = sender.handle(open_msg(b"1" * 16), "entry")
     first = prefill(sender, b"1" * 16, IDS)
-    ticket = b"t" * 16
-    (ok,) = receiver.handle(accept(ticket), "entry")
-    assert isinstance(ok, w.Opened) and ok.session_id == ticket
-    answers = []
-    for a, k, v in chunks(shard, (b"1" * 16, 0), 80):
-        answers += receiver.handle(w.KVChunk(ticket=ticket, position=a, tensors=(k, v)), "leaving")
-    assert len(answers) == 1 and answers[0].positions == 80 and receiver.incoming.tally.received == 1
+    # two rounds, as an entry runs them: the KV so far (48 positions), then what was computed meanwhile
+    for ticket, held, positions in ((b"t" * 16, 0, 48), (b"u" * 16, 48, 80)):
+        (ok,) = receiver.handle(accept(ticket, positions, held=held), "entry")
+        assert isinstance(ok, w.Opened) and ok.session_id == ticket
+        answers = []
+        for a, k, v in chunks(shard, (b"1" * 16, 0), positions, start=held):
+            answers += receiver.handle(w.KVChunk(ticket=ticket, position=a, tensors=(k, v)), "leaving")
+        assert len(answers) == 1 and answers[0].positions == positions
+    tally = receiver.incoming.tally
+    assert (tally.received, tally.positions) == (1, 80)  # one session's hand-over, its positions once
+    assert len(shard.kv.kept) == 1  # the second round's KV superseded the first's
     # the entry's next session on the receiver starts from the handed-over KV, and computes what the sender does
     (opened,) = receiver.handle(open_msg(b"2" * 16, chain(IDS, R)), "entry")
     assert opened.reused == 80
@@ -122,6 +126,9 @@ def test_kv_nobody_asked_for_or_shaped_wrong_is_refused_and_its_room_given_back(
     wrong = w.Tensor.from_torch("k", k.to_torch().float())
     (err,) = ep.handle(w.KVChunk(ticket=b"b" * 16, position=0, tensors=(wrong, v)), "leaving")
     assert err.code == w.ErrorCode.BAD_FRAME and "float32" in err.message
+    assert shard.kv.used_bytes == before
+    # a later round whose first positions are not kept here
+    assert ep.handle(accept(b"c" * 16, 80, held=48), "entry")[0].code == w.ErrorCode.BAD_FRAME
     assert shard.kv.used_bytes == before
     # asked wrongly: no entry (a hop's own stream), a chain that does not name the positions, too many at once
     assert ep.handle(accept(b"c" * 16), "")[0].code == w.ErrorCode.BAD_FRAME

@@ -37,6 +37,8 @@ from meshd.wire.protocols import SHARD_PROTOCOL
 OPEN_TIMEOUT = 30.0  # the longest opening a session (dial, negotiation, answer) or the link to the first hop may take
 OPEN_SILENT_S = 3.0  # a hop that echoes no ping within this while it opens a session is frozen: tried no longer
 HANDOVER_WAIT_S = 20.0  # the longest an entry waits for a leaving hop's KV to reach its replica
+HANDOVER_ROUNDS = 3  # rounds of a hand-over: the KV so far, then what was computed meanwhile
+CATCH_UP_MIN = 2 * prefix.BLOCK  # positions worth another round (fewer: the new route computes them)
 log = get_logger(__name__)
 
 
@@ -180,17 +182,36 @@ class Routes:
 
     async def _hand_over(self, at: Attempt, route: Route, peer: str, gen: Generation) -> Moved | None:
         """Ask a replica of leaving hop `peer`'s layers to take its session's KV, and `peer` to send it there
-        (None: no replica serves its layers)."""
+        (None: no replica serves its layers). In rounds: the first sends the KV computed so far while the
+        generation goes on; a later one (up to HANDOVER_ROUNDS) what it computed meanwhile, so that the new route
+        computes at most a block and a few tokens again, however long the first round took."""
         coverage = self.mesh.coverage.serving()
         links = link_latency(coverage.records, dict(self.mesh.latency))
         new = replaced(coverage, self.end, route, peer, links, {self.mesh.peer_id} | self.exclusions.active(time.monotonic()))
         if new is None:
             return None
-        held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
-        if not held:
-            return Moved(peer, reason="under one block computed: replaying is as cheap", tried=False)
         i = next(i for i, h in enumerate(route.hops) if h.peer_id == peer)
         hop, target = route.hops[i], new.hops[i]
+        kept = 0
+        for _ in range(HANDOVER_ROUNDS):
+            held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
+            positions = len(held) * prefix.BLOCK
+            if not kept and not held:
+                return Moved(peer, reason="under one block computed: replaying is as cheap", tried=False)
+            if kept and positions - kept < CATCH_UP_MIN:
+                break
+            done, reason = await self._hand_over_round(at, peer, hop, target, gen, held, kept)
+            if done <= 0:  # an earlier round's KV still stands at the replica: the move starts from it
+                if kept:
+                    break
+                return Moved(peer, reason=reason)
+            kept = done
+        return Moved(peer, new, kept)
+
+    async def _hand_over_round(self, at: Attempt, peer: str, hop: Hop, target: Hop, gen: Generation,
+                               held: list[bytes], start: int) -> tuple[int, str]:
+        """One round of a hand-over: positions [start, len(held) blocks) from `peer` to `target`, which has the
+        first `start` kept already. The positions the replica keeps now (0: the round failed), and why not."""
         ticket, positions = os.urandom(16), len(held) * prefix.BLOCK
         with trio.fail_after(OPEN_TIMEOUT):
             stream = await self.open_stream(target.peer_id, target.addrs, SHARD_PROTOCOL)
@@ -198,20 +219,22 @@ class Routes:
             try:
                 await channel.send(AcceptKV(ticket=ticket, sender=peer, start=hop.start, end=hop.end,
                                             rope_table=gen.rope_table, positions=positions, chain=prefix.pack(held),
-                                            model_fingerprint=self.model_fp, recipe_fingerprint=self.recipe_fp))
+                                            model_fingerprint=self.model_fp, recipe_fingerprint=self.recipe_fp,
+                                            held=start))
                 reply = await channel.receive(OPEN_TIMEOUT)
             finally:
                 with trio.CancelScope(shield=True):
                     await channel.aclose()
         if not isinstance(reply, Opened):
-            return Moved(peer, reason=f"its replica refused: {getattr(reply, 'message', type(reply).__name__)}")
+            return 0, f"its replica refused: {getattr(reply, 'message', type(reply).__name__)}"
+        at.handed.pop(peer, None)
         await at.hops[at.index(peer)][1].send(HandOver(session_id=at.sid, epoch=at.epoch, peer=target.peer_id,
                                                        addrs=" ".join(target.addrs), ticket=ticket,
-                                                       positions=positions))
+                                                       positions=positions, held=start))
         done = await at.handed_over(peer, HANDOVER_WAIT_S)
-        if done is None or done.positions <= 0:
-            return Moved(peer, reason=done.reason if done is not None else "no answer in time")
-        return Moved(peer, new, done.positions)
+        if done is None or done.ticket != ticket or done.positions <= 0:
+            return 0, done.reason if done is not None else "no answer in time"
+        return done.positions, ""
 
     def _open_msg(self, sid, epoch, start, end, req, gen: Generation, sampling, nxt=None, microbatch=0, asked=b""):
         forward = nxt is not None and self.forwarding

@@ -51,6 +51,7 @@ class Receiving:
     expires: float
     nbytes: int = 0  # its room in the KV budget
     received: int = 0
+    held: int = 0  # positions it started with (an earlier round's KV, kept here)
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Incoming:
             raise HandOverRefused("a hand-over needs a new ticket of 16 bytes")
         if not 0 < msg.positions == len(chain) * prefix.BLOCK or msg.positions > shard.max_positions:
             raise HandOverRefused(f"{msg.positions} positions under a chain of {len(chain)} blocks")
+        if not 0 <= msg.held < msg.positions or msg.held % prefix.BLOCK:
+            raise HandOverRefused(f"a hand-over of positions [{msg.held}, {msg.positions})")
         need = shard.kv.bytes_for(msg.positions, msg.end - msg.start)
         if len(self.open) >= MAX_INCOMING or sum(r.requester == requester for r in self.open.values()) \
                 >= MAX_INCOMING_PER_PEER or need + sum(r.nbytes for r in self.open.values()) \
@@ -100,12 +103,16 @@ class Incoming:
         key = ("hand-over", msg.ticket)
         shard.open_session(key, msg.positions, msg.start, msg.end, msg.rope_table)
         try:
-            shard.kv.get(key).reserve(0, msg.positions)  # charged now: the KV has its room before it comes
+            # a later round starts from the earlier one's KV, kept here for the same entry (a local copy)
+            if msg.held and shard.reuse(key, requester, chain[:msg.held // prefix.BLOCK]) != msg.held:
+                raise HandOverRefused(f"the first {msg.held} positions are not kept here")
+            kv = shard.kv.get(key)
+            kv.reserve(msg.held, msg.positions - msg.held)  # charged now: the KV has its room before it comes
         except Exception:
             shard.release(key)
             raise
         self.open[msg.ticket] = Receiving(msg.ticket, requester, msg.sender, key, msg.positions, chain,
-                                          self.clock() + INCOMING_TTL_S, need)
+                                          self.clock() + INCOMING_TTL_S, need, received=msg.held, held=msg.held)
 
     def chunk(self, msg: KVChunk, sender: str) -> HandedOver | None:
         """Store one chunk; the answer once the last one is in (None before). HandOverRefused for a chunk of
@@ -129,9 +136,9 @@ class Incoming:
         del self.open[got.ticket]
         kv.commit(got.positions)
         kept = self.shard.keep(got.key, got.requester, got.chain)
-        self.tally.received += bool(kept)
+        self.tally.received += bool(kept) and not got.held
+        self.tally.positions += max(0, kept - got.held) if kept else 0
         self.tally.failed += not kept
-        self.tally.positions += kept
         return HandedOver(session_id=b"", epoch=0, ticket=got.ticket, positions=kept,
                           reason="" if kept else "the KV could not be kept here")
 
@@ -191,7 +198,7 @@ async def push(service, msg: HandOver, home) -> int:
         with trio.fail_after(PUSH_TIMEOUT_S):
             step = await service.compute.run(chunk_positions, shard, key)
             channel = await service.outputs.dial(msg.peer, msg.addrs.split())
-            for a in range(0, msg.positions, step):
+            for a in range(msg.held, msg.positions, step):
                 b = min(msg.positions, a + step)
                 k, v = await service.compute.run(read_chunk, shard, key, a, b)
                 await channel.send(KVChunk(ticket=msg.ticket, position=a, tensors=(k, v)))
@@ -207,9 +214,9 @@ async def push(service, msg: HandOver, home) -> int:
             with trio.CancelScope(shield=True):
                 await channel.aclose()
     tally = service.endpoint.incoming.tally
-    tally.sent += kept > 0
+    tally.sent += kept > 0 and not msg.held  # a session's later rounds count once, with their positions
     tally.failed += kept <= 0
-    tally.positions += kept
+    tally.positions += max(0, kept - msg.held)
     if kept > 0:
         session = service.endpoint.sessions.get(key)
         if session is not None:

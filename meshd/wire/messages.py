@@ -310,6 +310,7 @@ class HandOver(Message):
     addrs: str  # space-separated multiaddrs
     ticket: bytes
     positions: int
+    held: int = 0  # positions the receiver has already (an earlier round's): send [held, positions)
 
 
 @message(MsgType.ACCEPT_KV)
@@ -327,6 +328,8 @@ class AcceptKV(Message):
     chain: bytes
     model_fingerprint: str
     recipe_fingerprint: str
+    held: int = 0  # a later round's: the first `held` positions are the KV it kept for the entry under the chain's
+    # first blocks (the earlier round's), and only [held, positions) come
 
 
 @message(MsgType.KV_CHUNK)
