@@ -129,8 +129,8 @@ class Rebalancer:
             await self.mesh.publish(auto_layers=0)  # so that another daemon is named for the gap meanwhile
             return
         old = d.switch_to(loaded)
-        old.service.retired = True  # its streams' sessions finish; new sessions come to the new shard
-        await old.service.announce_leaving()  # their entries may hand them over to a replica (meshd/hop/handover.py)
+        # new sessions come to the new shard; the old one's are handed over to a replica, or finish there
+        await old.service.retire()
         await self.mesh.publish(start=start, end=end, serving=True, auto_layers=0, **d.live_fields())
         self.last_move = {"from": [move.start, move.end], "to": [start, end], "at": time.time(),
                           "reason": move.reason}

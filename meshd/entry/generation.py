@@ -144,8 +144,7 @@ class Entry:
         retries = Retries(deadline=trio.current_time() + self.busy_wait_s, busy_wait_s=self.busy_wait_s,
                           lapse_wait_s=self.mesh.ttl_s)
         disagreed: RoutesDisagree | None = None  # two routes' tokens differed: a third route must settle it
-        route: Route | None = None  # the next try's route, when it is chosen already (a hand-over's)
-        channels: dict = {}  # ... and the streams of its hops that stayed
+        moved: Moved | None = None  # a hop of the last try left: the next try's route and its hops' streams
         while True:
             try:
                 try:
@@ -155,8 +154,9 @@ class Entry:
                     if gen.check is not None:
                         await run_checked(self, req, gen, sampling, retries, text, emit)
                     else:
-                        (route, chosen_route), (channels, kept_channels) = (None, route), ({}, channels)
-                        await self.attempt(req, gen, sampling, retries, text, emit, chosen_route, kept_channels)
+                        after, moved = moved, None
+                        await self.attempt(req, gen, sampling, retries, text, emit, *((after.route, after.channels)
+                                                                                      if after else ()))
                 except BaseExceptionGroup as group:  # trio wraps errors of concurrent tasks
                     raise first_of(group) from None
                 break
@@ -167,11 +167,12 @@ class Entry:
             except Moved as exc:  # a hop left: its replica holds its KV (else the next route goes without it)
                 retries.left(exc.peer_id)
                 self.routes.suspects.failed(exc.peer_id, time.monotonic())  # new generations keep off it too
-                route, channels, gen.resume = exc.route, exc.channels, exc.route is not None
-                gen.handovers += exc.route is not None
-                gen.handover_fallbacks += exc.tried and exc.route is None
-                self.handovers += exc.route is not None
-                self.handover_fallbacks += exc.tried and exc.route is None
+                handed = exc.route is not None
+                moved, gen.resume = (exc if handed else None), handed
+                gen.handovers += handed
+                gen.handover_fallbacks += exc.tried and not handed
+                self.handovers += handed
+                self.handover_fallbacks += exc.tried and not handed
             except HopFailed as exc:
                 if exc.busy_s is not None:
                     log.info("hop busy, trying another route", peer=exc.peer_id[-8:])

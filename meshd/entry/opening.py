@@ -8,8 +8,9 @@ entry's own outputs then go to the first hop over the service's shared link. Wha
 released (the local session, a Close on every hop's stream) however the route ends, shielded from
 cancellation; a route that finished its generation has every session keep the KV of its tokens, and the
 next generation extending them is planned onto it (`Affinity`) and prefills only what no session holds
-(`meshd/shard/prefix.py`). The hop service, the mesh view and the stream opener are injected, so nothing
-here knows the `Entry` that uses it.
+(`meshd/shard/prefix.py`). A hop that says it leaves has its session's KV handed over to a replica of its
+layers, and the next try runs over the same hops with the replica in its place (`meshd/hop/handover.py`). The
+hop service, the mesh view and the stream opener are injected, so nothing here knows the `Entry` that uses it.
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ class Routes:
         finally:
             self.microbatch_use.give(microbatch)
             # a route that finished its generation keeps the KV of its tokens on every hop, for a later
-            # generation that extends them (a chat's next turn); any other end frees it
-            # so does a route one of whose hops left, handing its KV over: the next route is the same hops
-            # but that one's replica, and starts from it all
+            # generation that extends them (a chat's next turn), and so does a route one of whose hops left,
+            # handing its KV over (the next route is the same hops but its replica, and starts from it all);
+            # any other end frees it
             moving = at.move is not None and at.move.route is not None
             held = gen.prefix_held(self.root(gen)) if reuse and (at.completed and gen.done or moving) else []
             if held and not moving:
@@ -190,41 +191,40 @@ class Routes:
         new = replaced(coverage, self.end, route, peer, links, {self.mesh.peer_id} | self.exclusions.active(time.monotonic()))
         if new is None:
             return None
+        if not gen.prefix_held(self.root(gen)):
+            return Moved(peer, reason="under one block computed: replaying is as cheap", tried=False)
         i = next(i for i, h in enumerate(route.hops) if h.peer_id == peer)
         hop, target = route.hops[i], new.hops[i]
         kept = 0
-        for _ in range(HANDOVER_ROUNDS):
-            held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
-            positions = len(held) * prefix.BLOCK
-            if not kept and not held:
-                return Moved(peer, reason="under one block computed: replaying is as cheap", tried=False)
-            if kept and positions - kept < CATCH_UP_MIN:
-                break
-            done, reason = await self._hand_over_round(at, peer, hop, target, gen, held, kept)
-            if done <= 0:  # an earlier round's KV still stands at the replica: the move starts from it
-                if kept:
+        with trio.fail_after(OPEN_TIMEOUT):  # one stream to the replica for every round's AcceptKV
+            replica = Channel.over_libp2p(await self.open_stream(target.peer_id, target.addrs, SHARD_PROTOCOL),
+                                          str(SHARD_PROTOCOL))
+        try:
+            for _ in range(HANDOVER_ROUNDS):
+                held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
+                if kept and len(held) * prefix.BLOCK - kept < CATCH_UP_MIN:
                     break
-                return Moved(peer, reason=reason)
-            kept = done
+                done, reason = await self._hand_over_round(at, replica, peer, hop, target, gen, held, kept)
+                if done <= 0:  # an earlier round's KV still stands at the replica: the move starts from it
+                    if kept:
+                        break
+                    return Moved(peer, reason=reason)
+                kept = done
+        finally:
+            with trio.CancelScope(shield=True):
+                await replica.aclose()
         return Moved(peer, new, kept)
 
-    async def _hand_over_round(self, at: Attempt, peer: str, hop: Hop, target: Hop, gen: Generation,
-                               held: list[bytes], start: int) -> tuple[int, str]:
-        """One round of a hand-over: positions [start, len(held) blocks) from `peer` to `target`, which has the
-        first `start` kept already. The positions the replica keeps now (0: the round failed), and why not."""
+    async def _hand_over_round(self, at: Attempt, replica: Channel, peer: str, hop: Hop, target: Hop,
+                               gen: Generation, held: list[bytes], start: int) -> tuple[int, str]:
+        """One round of a hand-over: positions [start, len(held) blocks) from `peer` to `target` (its stream:
+        `replica`), which has the first `start` kept already. The positions the replica keeps now (0: the round
+        failed), and why not."""
         ticket, positions = os.urandom(16), len(held) * prefix.BLOCK
-        with trio.fail_after(OPEN_TIMEOUT):
-            stream = await self.open_stream(target.peer_id, target.addrs, SHARD_PROTOCOL)
-            channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
-            try:
-                await channel.send(AcceptKV(ticket=ticket, sender=peer, start=hop.start, end=hop.end,
-                                            rope_table=gen.rope_table, positions=positions, chain=prefix.pack(held),
-                                            model_fingerprint=self.model_fp, recipe_fingerprint=self.recipe_fp,
-                                            held=start))
-                reply = await channel.receive(OPEN_TIMEOUT)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await channel.aclose()
+        await replica.send(AcceptKV(ticket=ticket, sender=peer, start=hop.start, end=hop.end,
+                                    rope_table=gen.rope_table, positions=positions, chain=prefix.pack(held),
+                                    model_fingerprint=self.model_fp, recipe_fingerprint=self.recipe_fp, held=start))
+        reply = await replica.receive(OPEN_TIMEOUT)
         if not isinstance(reply, Opened):
             return 0, f"its replica refused: {getattr(reply, 'message', type(reply).__name__)}"
         at.handed.pop(peer, None)

@@ -177,7 +177,7 @@ def replaced(coverage: CoverageMap, start: int, route: Route, peer: str, latency
     hop, on_route = route.hops[i], {h.peer_id for h in route.hops}
     best = None
     for r in coverage.records:
-        if r.peer_id in on_route or r.peer_id in exclude or getattr(r, "leaving", False):
+        if r.peer_id in on_route or r.peer_id in exclude or r.leaving:
             continue
         if not (r.start <= hop.start < r.end == hop.end):
             continue

@@ -30,8 +30,7 @@ from meshd.hop.passes import PassStats, local_tokens, route_outputs
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.log import get_logger
-from meshd.p2p.channel import Channel
-from meshd.p2p.channel import ChannelClosed
+from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, HandedOver, HandOver, Leaving, Message, OpenSession,
                         Opened, Phase, Token)
 
@@ -117,9 +116,11 @@ class ShardService:
         self.nursery.start_soon(handover.push, self, msg, session.links.home)
         return []
 
-    async def announce_leaving(self) -> int:
-        """Tell the entry of every session open here for another daemon that this hop leaves (`Leaving`): each
-        may hand its session's KV over to another hop. The sessions told."""
+    async def retire(self) -> int:
+        """Take no new sessions from other daemons (its daemon leaves, or moved to another range), and tell the
+        entry of every session open here for another daemon that this hop leaves (`Leaving`): each may hand its
+        session's KV over to another hop (`meshd/hop/handover.py`). The sessions told."""
+        self.retired = True
         told = 0
         for key, session in list(self.endpoint.sessions.items()):
             if not session.requester or session.links is None:

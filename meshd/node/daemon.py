@@ -188,19 +188,20 @@ class Daemon:
     async def drain(self, reason: str, timeout: float | None = None) -> None:
         """Leave the mesh gently: refuse new sessions from other daemons, withdraw the record (peers
         route around this daemon at once), and wait until no session is open here and no
-        generation runs, for at most `timeout` seconds (None: as long as that takes). Sessions
-        still open at the deadline end with the process, and their entries reroute them."""
+        generation runs, for at most `timeout` seconds (None: as long as that takes). The entries of
+        the sessions here are told first, and move them to a replica with their KV where one serves
+        the layers (meshd/hop/handover.py). Sessions still open at the deadline end with the process,
+        and their entries reroute them."""
         if self.slot is None or not self.lifecycle.accepts_generations:
             return
         if self.lifecycle.to(State.DRAINING, reason):
-            self.slot.service.retired = True
             log.info("draining", reason=reason, sessions=len(self.slot.shard.kv), generations=self.active_generations,
                      timeout_s=timeout)
             self.mesh.record = replace(self.mesh.record, leaving=True)  # rebalancing plans go without it
             # the entries of the sessions crossing this daemon may move them to a replica at once, their KV
             # handed over (meshd/hop/handover.py); the others finish here, or replay when it leaves. Told
             # first: withdrawing the record may wait on slow peers
-            told = await self.slot.service.announce_leaving()
+            told = await self.slot.service.retire()
             if told:
                 log.info("told the entries of sessions here that it leaves", sessions=told)
             log.info("withdrawing record")
