@@ -22,13 +22,13 @@ def patch() -> None:
     """Die on the first KV chunk; and look fast (as `meshd.testing.liar` does), so that an entry choosing where a
     leaving hop's KV goes chooses this daemon."""
     from meshd.hop.handover import Incoming
-    from meshd.testing import liar
+    from meshd.testing import claims, liar
 
     def chunk(self, msg, sender):
         os._exit(CRASH_CODE)
 
     Incoming.chunk = chunk
-    liar.patch(0.0, 1 << 30, honest_speed=False)  # never lies (no position reaches it), only claims speed
+    claims.claim_speed(liar.SPEED_CLAIM)
 
 
 def main(argv: list[str] | None = None) -> int:

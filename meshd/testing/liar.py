@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshd.testing import claims
+
 SPEED_CLAIM = 100.0  # the liar advertises this many times its measured throughput
 
 
@@ -54,21 +56,8 @@ def patch(scale: float, from_position: int, honest_speed: bool) -> None:
         return out
 
     Shard.forward_batch = forward_batch
-    if honest_speed:
-        return
-    from meshd.node import daemon, slot
-
-    measured = slot.measure_throughput
-    slot.measure_throughput = lambda shard: SPEED_CLAIM * measured(shard)
-    live = daemon.Daemon.live_fields
-
-    def live_fields(self) -> dict:
-        fields = live(self)
-        if fields.get("throughput"):
-            fields["throughput"] = max(fields["throughput"], SPEED_CLAIM * (self.slot.throughput if self.slot else 1.0))
-        return fields
-
-    daemon.Daemon.live_fields = live_fields
+    if not honest_speed:
+        claims.claim_speed(SPEED_CLAIM)
 
 
 def main(argv: list[str] | None = None) -> int:
