@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshd.shard import rope
+from meshd.shard.gemma3_config import gemma3_from_gguf, gemma3_from_hf
+from meshd.shard.readings import UnsupportedArchitecture, first, opt_int
 from meshd.shard.rope import RopeScaling
 
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "qwen3": "qwen3",
@@ -23,10 +25,6 @@ PHI3_DEFAULTS = {"max_position_embeddings": 4096, "original_max_position_embeddi
 DEFAULT_THETA = {"MixtralForCausalLM": 1e6}  # transformers' default where config.json names none (else 1e4)
 # GGUF MoE keys that change the routing, with the value meshd computes (softmax gating, weights unscaled)
 MOE_NEUTRAL = {"expert_gating_func": 1, "expert_weights_scale": 1.0, "expert_shared_count": 0}
-
-
-class UnsupportedArchitecture(ValueError):
-    """The model's architecture has no meshd adapter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +77,6 @@ class ModelConfig:
     def from_gguf(cls, md: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
         arch = md.get("general.architecture", "?")
         if arch == "gemma3":
-            from meshd.shard.gemma3_config import gemma3_from_gguf
-
             return gemma3_from_gguf(cls, md, tensor_names)
         if arch not in SUPPORTED:
             raise UnsupportedArchitecture(f"architecture {arch!r} has no meshd adapter (supported: {sorted(SUPPORTED)})")
@@ -109,8 +105,8 @@ class ModelConfig:
             rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
             max_positions=max_positions, tie_embeddings="output.weight" not in tensor_names,
             attn_bias="blk.0.attn_q.bias" in tensor_names or family == "gpt2",
-            bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
-            eos_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
+            bos_id=opt_int(md.get("tokenizer.ggml.bos_token_id")),
+            eos_id=opt_int(md.get("tokenizer.ggml.eos_token_id")),
             n_experts=int(g("expert_count", 0)), experts_per_token=int(g("expert_used_count", 0)),
             expert_ffn=int(g("expert_feed_forward_length", 0)), norm_topk=bool(g("expert_weights_norm", True)),
             # which layers route to experts is read off the tensors (a router or not)
@@ -132,8 +128,6 @@ class ModelConfig:
         if family is None:
             raise UnsupportedArchitecture(f"architecture {archs[0]!r} has no meshd adapter (supported: {sorted(HF_ARCHS)})")
         if family == "gemma3":
-            from meshd.shard.gemma3_config import gemma3_from_hf
-
             return gemma3_from_hf(cls, c)
         if family == "gpt2":
             return cls(arch="gpt2", family="gpt2", n_layers=c["n_layer"], hidden=c["n_embd"], n_heads=c["n_head"],
@@ -141,7 +135,7 @@ class ModelConfig:
                        ffn=c.get("n_inner") or 4 * c["n_embd"], vocab=c["vocab_size"],
                        norm_eps=c.get("layer_norm_epsilon", 1e-5), max_positions=c.get("n_positions", 1024),
                        tie_embeddings=c.get("tie_word_embeddings", True), attn_bias=True,
-                       bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")))
+                       bos_id=c.get("bos_token_id"), eos_id=first(c.get("eos_token_id")))
         if family == "phi3":
             c = _phi3_config(c)
         if c.get("use_sliding_window"):
@@ -164,7 +158,7 @@ class ModelConfig:
                    rope_scaling=scaling, max_positions=max_positions,
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                    attn_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
-                   bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
+                   bos_id=c.get("bos_token_id"), eos_id=first(c.get("eos_token_id")),
                    n_experts=c.get("num_experts") or c.get("num_local_experts") or 0,
                    experts_per_token=c.get("num_experts_per_tok") or 0,
                    expert_ffn=moe_ffn, norm_topk=bool(c.get("norm_topk_prob", True)),
@@ -188,13 +182,3 @@ def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedArchitecture(f"Phi-3 rope scaling {kind!r} (which transformers reads as 'longrope') is not"
                                       " supported; spell it 'longrope'")
     return c
-
-
-def _opt_int(v) -> int | None:
-    return None if v is None else int(v)
-
-
-def _first(v) -> int | None:
-    if isinstance(v, list):
-        return v[0] if v else None
-    return v

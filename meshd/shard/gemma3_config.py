@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshd.shard import rope
-from meshd.shard.config import UnsupportedArchitecture, _first, _opt_int
+from meshd.shard.readings import UnsupportedArchitecture, first, opt_int
 
 PATTERN = 6  # transformers' default and llama.cpp's fixed pattern: layers 5, 11, 17, ... attend globally
 LOCAL_THETA = 10000.0  # transformers' default local base, llama.cpp's fixed one
@@ -69,7 +69,7 @@ def gemma3_from_hf(cls, c: dict[str, Any]):
                vocab=c["vocab_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                rope_scaling=scaling, max_positions=max_positions,
                tie_embeddings=bool(c.get("tie_word_embeddings", True)), bos_id=c.get("bos_token_id"),
-               eos_id=_first(c.get("eos_token_id")), sliding_window=window,
+               eos_id=first(c.get("eos_token_id")), sliding_window=window,
                sliding_layers=sliding_layers(n_layers, window, c.get("layer_types"), c.get("sliding_window_pattern")),
                local_rope_theta=float(local_theta), attn_scalar=float(c.get("query_pre_attn_scalar") or 256),
                final_softcap=float(c.get("final_logit_softcapping") or 0.0))
@@ -97,8 +97,8 @@ def gemma3_from_gguf(cls, md: dict[str, Any], tensor_names: set[str]):
                norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
                rope_theta=float(g("rope.freq_base", 1e6)), rope_scaling=scaling,
                max_positions=int(g("context_length", 131072)), tie_embeddings="output.weight" not in tensor_names,
-               bos_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
-               eos_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")), sliding_window=window,
+               bos_id=opt_int(md.get("tokenizer.ggml.bos_token_id")),
+               eos_id=opt_int(md.get("tokenizer.ggml.eos_token_id")), sliding_window=window,
                sliding_layers=sliding_layers(n_layers, window, pattern=g("attention.sliding_window_pattern")),
                local_rope_theta=LOCAL_THETA,
                attn_scalar=float(hidden // n_heads if n_layers == 62 else head_dim),

@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshd.shard.readings import UnsupportedArchitecture
+
 FREQ_FACTORS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.x)
 SHORT_FACTORS, LONG_FACTORS = "rope_factors_short.weight", "rope_factors_long.weight"  # longrope (Phi-3)
 # in the recipe fingerprint of every scaled model (`ModelConfig.adapter`): bumped whenever the tables change
@@ -113,8 +115,6 @@ def past_context(scaling: RopeScaling, end: int, limit: int, table: int = SHORT)
 
 
 def _refuse(message: str):
-    from meshd.shard.config import UnsupportedArchitecture  # config imports this module
-
     raise UnsupportedArchitecture(message)
 
 
