@@ -209,6 +209,7 @@ def test_a_late_field_may_be_left_off_and_is_at_its_default():
     ({**GOOD_HB, "x": [["a", [2], "float64", "<", "raw", 16, 16]]}, b"\0" * 16, w.MalformedFrame, "unknown dtype"),
     ({**GOOD_HB, "x": [["a", [2], "float32", ">", "raw", 8, 8]]}, b"\0" * 8, w.MalformedFrame, "byte order"),
     ({**GOOD_HB, "x": [["a", [2], "float32", "<", "lz4", 8, 8]]}, b"\0" * 8, w.MalformedFrame, "encoding"),
+    ({**GOOD_HB, "x": [["a", [2], "float32", "<", "auto", 8, 8]]}, b"\0" * 8, w.MalformedFrame, "encoding 'auto'"),
     ({**GOOD_HB, "x": [["a", [3], "float32", "<", "raw", 8, 8]]}, b"\0" * 8, w.MalformedFrame, "raw length"),
     ({**GOOD_HB, "x": [["a", [2], "float32", "<", "raw", 8, 8]]}, b"\0" * 4, w.MalformedFrame, "payload bytes"),
     ({**GOOD_HB, "x": [["a", [1 << 20, 1 << 20], "float32", "<", "raw", 1 << 42, 0]]}, b"", w.FrameTooLarge, "elements"),

@@ -1,20 +1,39 @@
 """Daemon settings: command-line flags, then environment variables, then a TOML file, then defaults.
 
-Rule: flags win over the environment, which wins over the config file. Every setting has one
-name: flag `--num-layers`, environment `MESHD_NUM_LAYERS`, TOML key `num_layers`.
+Rule: each setting is declared once, as a field of `Settings` made by `setting(...)`: its flag
+(`--num-layers`), environment variable (`MESHD_NUM_LAYERS`), TOML key (`num_layers`), default and help
+all come from that one declaration (`add_flags` writes `meshd join`'s flags from it; a part that keeps
+a default of its own reads it with `default(name)`). Flags win over the environment, which wins over
+the config file.
+
+Why a table of dataclass fields and not pydantic-settings: its sources (MESHD_ prefix, a TOML file)
+would replace only `load_settings`'s twenty lines, and not as they behave: its environment source reads
+`os.environ` (tests hand in a mapping), takes a list variable as JSON by default where meshd takes `a,b`,
+and validates where meshd converts with `type(default)(value)` (a TOML `threads = 2.5` or `layers = 3`).
+Its command-line source writes help and flags its own way (types and defaults appended, lists as JSON),
+so `meshd join --help` and the flags would change. Every flag, variable and key staying as it was weighs
+more than twenty lines; the declaration, not the library, is what removes the copies.
+
+The wire's defaults (prefill chunk size, encoding) are the wire's own constants, read here: the wire is
+the bottom room and reads nothing above it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 
 from meshd.entry.drafts import DRAFT_MAX
+from meshd.wire import DEFAULT_CHUNK_TOKENS, DEFAULT_ENCODING, ENCODINGS
 
 DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/4690"]
 DEFAULT_CONFIG = "/etc/meshd/meshd.toml"
+RECIPES = ["auto", "native", "exact", "compact"]  # meshd.shard.recipe.CHOICES, without importing torch
+KERNEL_ISAS = ["portable", "avx2", "avx512"]  # meshd.shard.blocks.ISAS, without importing torch
+KERNEL_LAYOUTS = ["auto", "rows", "tiles"]  # meshd.shard.blocks.LAYOUTS, without importing torch
 
 
 def default_state_dir() -> Path:
@@ -37,66 +56,127 @@ def default_socket(state_dir: Path) -> Path:
     return state_dir / "meshd.sock"
 
 
+def setting(value, help: str, *, flag: bool = True, choices=None, const=None):
+    """One setting's declaration: its default `value` and its help, `{default}` (and `{gib}`, the default in GiB)
+    standing for the default in the help; `flag=False` for one set only by MESHD_* or the config file;
+    `choices` as the flag offers them; `const` for a flag that takes no value and sets this one."""
+    meta = {"help": help, "flag": flag, "choices": choices, "const": const}
+    if isinstance(value, list):
+        return field(default_factory=lambda: list(value), metadata=meta)
+    return field(default=value, metadata=meta)
+
+
 @dataclass
 class Settings:
-    bootstrap: list[str] = field(default_factory=list)
-    model: str = "smollm2"
-    layers: str = "auto"
-    num_layers: int = 0
-    memory: int = 0
-    listen: list[str] = field(default_factory=lambda: list(DEFAULT_LISTEN))
-    state_dir: str = ""
-    socket: str = ""
-    recipe: str = "auto"
-    threads: int = 0  # torch threads for tensor work; 0: one per core
-    kernel_isa: str = ""  # the block kernel's instruction set at most (portable, avx2, avx512); empty: the CPU's best
-    kernel_layout: str = "auto"  # weights in tiles where they pay (auto), in the file's rows (rows) or tiles; same bits
-    http: str = ""  # HOST:PORT for the OpenAI-compatible API and /metrics; off when empty
-    http_token: str = ""  # bearer token the HTTP API asks for (or http_token_file)
-    http_token_file: str = ""
-    record_ttl: float = 9.0  # republished at half of it; a peer that dies leaves coverage within it + 1 s
-    kv_budget: int = 1 << 30  # bytes of KV cache for all sessions together
-    max_sessions: int = 64  # sessions this daemon holds at once; more are answered `busy`
-    max_queue: int = 1024  # forward frames waiting for a pass; more are answered `busy`
-    busy_wait: float = 30.0  # seconds an entry waits for room in a full mesh before "mesh busy"
-    drain_timeout: float = 30.0  # seconds running generations get to finish: on SIGTERM; on a move's old range
-    move_cooldown: float = 60.0  # with --layers auto: seconds after a move before this daemon moves again
-    gather_ms: float = 0.0  # a pass waits this long for frames due from other sessions (0: starts at once)
-    forwarding: int = 1  # 1: hops pass hidden states to the next hop; 0: the entry relays every hop's output
-    microbatches: int = 2  # groups of generations an entry keeps in separate passes, at most one per daemon
-    # on the route (0: exactly one per daemon on the route)
-    speculate: str = "auto"  # as an entry: drafts with each step (auto) or plain decoding (off)
-    draft_max: int = DRAFT_MAX  # as an entry: drafts a step carries at most
-    draft: str = ""  # as an entry: a draft model (GGUF file or HF directory) run whole here; empty: prompt lookup
-    verify_rate: float = 0.05  # as an entry: share of generations also run on a second route and compared (0: none)
-    relay: str = "auto"  # offer circuit relay to daemons that cannot be dialled: auto (while publicly reachable), on, off
-    relays: int = 2  # relays a daemon that cannot be dialled reserves at (0: none)
-    relay_reservations: int = 32  # as a relay: daemons holding a reservation at once
-    relay_circuits: int = 64  # as a relay: circuits open at once
-    relay_circuits_per_peer: int = 16  # as a relay: circuits open at once from or to one daemon
-    relay_circuit_mb: int = 1024  # as a relay: MiB one circuit carries (both ways) before it is cut
-    relay_circuit_s: float = 3600.0  # as a relay: seconds one circuit lasts before it is cut
-    hole_punch: int = 1  # 1: upgrade relayed connections to direct ones where the NATs allow (DCUtR); 0: never
-    wire_encoding: str = "raw"  # how hidden states travel: raw float32, zstd, or auto (zstd where it saves)
-    chunk_tokens: int = 128  # prompt tokens per prefill chunk
-    # what other daemons' shard streams may take here (meshd/hop/stream.py `Intake`)
-    frame_budget_mb: int = 512  # MiB all peers' frames may occupy at once: queued, half-received, being decoded
-    peer_frame_mb: int = 192  # MiB one peer's frames may occupy (the rest is the floor for others)
-    streams_per_peer: int = 128  # shard streams one peer may hold open
-    frame_timeout: float = 30.0  # seconds a frame begun may take to arrive whole (half-sent frames are dropped)
-    stream_idle: float = 300.0  # seconds a shard stream may say nothing before it is closed
-    session_idle: float = 600.0  # seconds a session may send no frame before its KV is released
-    session_idle_full: float = 60.0  # seconds unused after which a session gives its KV to a new one when full
-    prefix_ttl: float = 600.0  # seconds an ended session's KV is kept unused for a generation that extends its
-    # tokens (prefix reuse: meshd/shard/prefix.py); 0: none kept, no prefix reused as an entry either
-    peer_share: float = 0.75  # of the sessions, the KV budget and the queue, what one peer may hold
-    cache_dir: str = ""  # fingerprints and converted tokenizers (default ~/.cache/meshd)
-    ledger_days: float = 30.0  # the work ledger keeps rows this long, then daily totals per peer (0: no ledger)
-    swarm_key: str = ""  # a private mesh's key file (/key/swarm/psk/1.0.0/); empty: an open mesh
-    require_swarm_key: int = 0  # 1: refuse to start without swarm_key (also LIBP2P_FORCE_PNET=1)
+    bootstrap: list[str] = setting([], "multiaddr of a peer already in the mesh (repeatable)")
+    model: str = setting("smollm2", "smollm2 (bundled, default), a .gguf file or an HF directory")
+    layers: str = setting("auto", "auto (default), A:B, or none (a bootstrap and relay holding no layers)")
+    num_layers: int = setting(0, "with --layers auto: how many layers to serve")
+    memory: int = setting(0, "bytes of weights this node may hold (caps --layers auto; a fixed range that needs more"
+                             " is refused)")
+    listen: list[str] = setting(DEFAULT_LISTEN, "multiaddr to listen on (repeatable)")
+    state_dir: str = setting("", "identity and caches (default ~/.local/share/meshd)")
+    socket: str = setting("", "control socket path")
+    recipe: str = setting("auto", "auto (default: native for a quantized GGUF, else exact), native, exact or compact",
+                          choices=RECIPES)
+    threads: int = setting(0, "threads for tensor work (default: one per core; lower it when daemons on the exact"
+                              " recipe share a machine: torch's threads spin; the native kernel's take a preempted"
+                              " thread's share)")
+    http: str = setting("", "serve the OpenAI-compatible API and /metrics on HOST:PORT (off by default; 127.0.0.1:8080"
+                            " keeps it on this machine)")
+    http_token: str = setting("", "bearer token HTTP clients must send")
+    http_token_file: str = setting("", "file holding the bearer token")
+    record_ttl: float = setting(9.0, "seconds a published record lives; republished at half of it; a peer that dies"
+                                     " leaves coverage within it + 1 s", flag=False)
+    kv_budget: int = setting(1 << 30, "bytes of KV cache for all sessions (default {gib} GiB)")
+    max_sessions: int = setting(64, "sessions held at once; more are refused as busy (default {default})")
+    max_queue: int = setting(1024, "frames waiting for compute; more are refused as busy (default {default})")
+    busy_wait: float = setting(30.0, "seconds a generation waits for room in a full mesh before failing with"
+                                     " 'mesh busy' (default {default})")
+    drain_timeout: float = setting(30.0, "on SIGTERM, seconds running generations get to finish before the daemon"
+                                         " exits (default {default}; a second SIGTERM exits at once); after a move,"
+                                         " seconds they get to finish on the old range before it is freed")
+    ledger_days: float = setting(30.0, "days the work ledger (ledger.sqlite3 in the state directory) keeps one row per"
+                                       " generation and session before folding them into daily totals per peer"
+                                       " (default {default}; 0: keep no ledger)")
+    move_cooldown: float = setting(60.0, "with --layers auto: seconds after a move to fill a gap before this daemon"
+                                         " moves again (default {default})")
+    gather_ms: float = setting(0.0, "milliseconds a forward pass waits for other sessions' frames before it starts,"
+                                    " when some are due (default {default}: at once)")
+    forwarding: int = setting(1, "1: hops pass hidden states to the next hop; 0: the entry relays every hop's output",
+                              flag=False)
+    microbatches: int = setting(2, "groups of generations this entry keeps in separate forward passes on every hop,"
+                                   " so that a daemon has a pass to run while another group is elsewhere on the route"
+                                   " (default {default}, at most one per daemon on the route; 0: one per daemon on the"
+                                   " route)")
+    speculate: str = setting("auto", "as an entry: send draft tokens (prompt lookup) with each step, verified in one"
+                                     " pass down the route, so a trip can return several tokens; the text is the same"
+                                     " (default {default}: drafts where they pay for their rows)",
+                             choices=["auto", "off"])
+    draft_max: int = setting(DRAFT_MAX, "as an entry: draft tokens a step carries at most (default {default}; a greedy"
+                                        " generation sends as many as pay for their rows at the trip and acceptance"
+                                        " measured)")
+    draft: str = setting("", "as an entry: a draft model (a GGUF file, an HF directory or a bundled name) run whole on"
+                             " this daemon to propose the drafts, instead of prompt lookup; it must share the model's"
+                             " tokenizer (refused at start otherwise)")
+    verify_rate: float = setting(0.05, "as an entry: share of generations also run on a second route of other"
+                                       " daemons, a token given only when both routes agree (default {default};"
+                                       " 0: none)")
+    relay: str = setting("auto", "offer circuit relay to daemons that cannot be dialled: auto (default: while this"
+                                 " daemon is publicly reachable), on, off", choices=["auto", "on", "off"])
+    relays: int = setting(2, "relays this daemon reserves at when it cannot be dialled (default {default}; 0: none)")
+    relay_reservations: int = setting(32, "as a relay: daemons holding a reservation (default {default})")
+    relay_circuits: int = setting(64, "as a relay: circuits open at once (default {default})")
+    relay_circuits_per_peer: int = setting(16, "as a relay: circuits open at once from or to one daemon"
+                                               " (default {default})")
+    relay_circuit_mb: int = setting(1024, "as a relay: MiB one circuit carries before it is cut (default {default})")
+    relay_circuit_s: float = setting(3600.0, "as a relay: seconds one circuit lasts (default {default})")
+    hole_punch: int = setting(1, "1 (default): turn relayed connections into direct ones where both NATs allow it"
+                                 " (DCUtR); 0: keep them relayed", choices=[0, 1])
+    # what other daemons' shard streams may take here (meshd/hop/intake.py `Intake`)
+    frame_budget_mb: int = setting(512, "MiB all peers' frames may occupy here at once, queued, half-received or being"
+                                        " decoded; past it streams are not read (default {default})")
+    peer_frame_mb: int = setting(192, "MiB one peer's frames may occupy; a larger frame is refused, more waits"
+                                      " (default {default})")
+    streams_per_peer: int = setting(128, "shard streams one peer may hold open (default {default})")
+    frame_timeout: float = setting(30.0, "seconds a frame begun may take to arrive whole (default {default})")
+    stream_idle: float = setting(300.0, "seconds a shard stream may say nothing before it is closed"
+                                        " (default {default})")
+    session_idle: float = setting(600.0, "seconds a session may send no frame before its KV is released"
+                                         " (default {default})")
+    session_idle_full: float = setting(60.0, "seconds a session may send no frame before a new session takes its KV"
+                                             " when the daemon is full (default {default})")
+    prefix_ttl: float = setting(600.0, "seconds the KV of an ended generation is kept unused for a later one that"
+                                       " extends its tokens (a chat's next turn); kept KV is the first freed when room"
+                                       " is needed; 0: keep none and reuse none (default {default})")
+    peer_share: float = setting(0.75, "share of the sessions, the KV budget and the queue that one peer may hold; the"
+                                      " rest stays for others (default {default})")
+    cache_dir: str = setting("", "fingerprints and converted tokenizers (default ~/.cache/meshd)", flag=False)
+    swarm_key: str = setting("", "a private mesh's key file (libp2p's /key/swarm/psk/1.0.0/ format, mode 0600): only"
+                                 " daemons holding the same key can connect (default: an open mesh)")
+    require_swarm_key: int = setting(0, "refuse to start without --swarm-key (for the systemd unit and shared"
+                                        " configs)", const=1)
+    kernel_isa: str = setting("", "run the block kernel on at most this instruction set (default: the best the CPU"
+                                  " has; they compute the same bits)", choices=KERNEL_ISAS)
+    kernel_layout: str = setting("auto", "keep weights in tiles of eight rows where that is faster (auto, the default:"
+                                         " Q4_0 and Q4_1 on AVX2 and AVX-512, Q8_0 on AVX-512), every weight in the"
+                                         " file's rows, or Q4_0, Q4_1 and Q8_0 in tiles everywhere (the same bits)",
+                                 choices=KERNEL_LAYOUTS)
+    wire_encoding: str = setting(DEFAULT_ENCODING, "how hidden states travel between shards: raw float32 (default),"
+                                                   " zstd, or auto (zstd where it saves a tenth)",
+                                 choices=list(ENCODINGS))
+    chunk_tokens: int = setting(DEFAULT_CHUNK_TOKENS, "prompt tokens per prefill chunk (default {default})")
 
     def configure(self) -> None:
-        """Hand the parts below the node their settings: they read no environment themselves."""
+        """Hand the parts below the node the settings they still hold process-wide: they read no
+        environment themselves.
+
+        Why process-wide: the block kernel's instruction set is the C extension's state (a process runs
+        one kernel); the weight layout is read while weights load, deep in the shard's loaders; the wire
+        encoding, the prefill chunk size and the cache directory are read by the p2p channel, the entry
+        and the tokenizer, which do not take them as values yet. Each of these parts takes its value as
+        an argument too (`encode(msg, encoding)`, `chunk_spans(n, size)`), so the globals go once every
+        caller passes them."""
         from meshd import wire
         from meshd.shard.artifact import set_cache_dir
 
@@ -203,6 +283,53 @@ class Settings:
         return want
 
 
+DECLARED: dict[str, Field] = {f.name: f for f in fields(Settings)}
+
+
+def default(name: str):
+    """The declared default of setting `name`, for a part that keeps one of its own when built alone."""
+    f = DECLARED[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def env_name(name: str) -> str:
+    return f"MESHD_{name.upper()}"
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def help_text(name: str) -> str:
+    """The setting's help, its default written in where the declaration says `{default}` or `{gib}`."""
+    value = default(name)
+    shown = format(value, "g") if isinstance(value, float) else str(value)
+    gib = format(value / (1 << 30), "g") if isinstance(value, int) else ""
+    return DECLARED[name].metadata["help"].format(default=shown, gib=gib)
+
+
+def add_flags(parser: argparse.ArgumentParser, names=None) -> None:
+    """Add the flags of the declared settings (all that have one, or `names`) to `parser`; a flag not
+    given parses as None (a list flag as None too), so that `load_settings` sees it unset."""
+    for name in names or [n for n, f in DECLARED.items() if f.metadata["flag"]]:
+        meta, value = DECLARED[name].metadata, default(name)
+        kwargs: dict = {"help": help_text(name)}
+        if isinstance(value, list):
+            kwargs["action"] = "append"
+        elif meta["const"] is not None:
+            kwargs.update(action="store_const", const=meta["const"])
+        elif isinstance(value, (int, float)):
+            kwargs["type"] = type(value)
+        if meta["choices"] is not None:
+            kwargs["choices"] = meta["choices"]
+        parser.add_argument(flag_name(name), **kwargs)
+
+
+def flags_given(args: argparse.Namespace) -> dict:
+    """The settings' values as parsed from the command line (None where a flag was not given)."""
+    return {name: getattr(args, name) for name in DECLARED if hasattr(args, name)}
+
+
 def load_settings(flags: dict, config_file: str | None = None, environ=os.environ) -> Settings:
     """Merge defaults < TOML file < environment < flags (flags given as None are unset)."""
     s = Settings()
@@ -211,19 +338,19 @@ def load_settings(flags: dict, config_file: str | None = None, environ=os.enviro
     if path:
         with open(path, "rb") as f:
             values.update(tomllib.load(f))
-    for f_ in fields(Settings):
-        env = environ.get(f"MESHD_{f_.name.upper()}")
+    for name in DECLARED:
+        env = environ.get(env_name(name))
         if env is not None:
-            values[f_.name] = env.split(",") if isinstance(getattr(s, f_.name), list) else env
+            values[name] = env.split(",") if isinstance(getattr(s, name), list) else env
     values.update({k: v for k, v in flags.items() if v is not None and v != []})
-    for f_ in fields(Settings):
-        if f_.name in values:
-            default = getattr(s, f_.name)
-            value = values[f_.name]
-            if isinstance(default, list) and isinstance(value, str):
+    for name in DECLARED:
+        if name in values:
+            default_ = getattr(s, name)
+            value = values[name]
+            if isinstance(default_, list) and isinstance(value, str):
                 value = [value]
-            setattr(s, f_.name, type(default)(value) if not isinstance(default, list) else list(value))
-    unknown = set(values) - {f_.name for f_ in fields(Settings)}
+            setattr(s, name, type(default_)(value) if not isinstance(default_, list) else list(value))
+    unknown = set(values) - set(DECLARED)
     if unknown:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
     return s

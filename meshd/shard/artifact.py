@@ -30,6 +30,8 @@ class ArtifactError(ValueError):
     """The model cannot be found or read."""
 
 
+# Process-wide until `open_artifact` and the tokenizer's cache (meshd/shard/tokenizer.py) take the directory
+# as a value; the daemon sets it once at start (`Settings.configure`), before any artifact is opened.
 _cache_dir = Path(os.path.expanduser("~/.cache")) / "meshd"
 
 

@@ -102,6 +102,8 @@ def isa() -> str:
     return KERNEL.isa() if KERNEL is not None else "absent"
 
 
+# Process-wide by nature: the instruction set is the C extension's own state, chosen once for the process
+# (every weight runs on the one kernel this CPU and this cap allow; the bits are the same on each).
 def limit_isa(name: str) -> None:
     """Run this process's kernels on at most `name` (one of ISAS) and what the CPU has, from now on
     (`limit_isa("avx512")` lifts an earlier limit): benches compare the instruction sets of one CPU
@@ -126,6 +128,8 @@ TILE_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0}
 
 # auto: tiles where they pay (tiles_pay); rows: the file's order always; tiles: wherever the type allows
 LAYOUTS = ("auto", "rows", "tiles")
+# Process-wide until the shard's loaders (llama.py, linear.py) take the layout as a value: it is read where
+# a weight is packed, several calls below the runtime that knows the settings; set once at start.
 _layout = "auto"
 
 

@@ -5,7 +5,7 @@ a thin adapter elsewhere moves the bytes over a stream.
 """
 
 from meshd.wire.chunks import DEFAULT_CHUNK_TOKENS, PrefillAssembler, chunk_spans, chunk_tokens, set_chunk_tokens
-from meshd.wire.codec import Decoder, Limits, decode_frame, encode, set_default_encoding
+from meshd.wire.codec import DEFAULT_ENCODING, ENCODINGS, Decoder, Limits, decode_frame, encode, set_default_encoding
 from meshd.wire.errors import (ChecksumMismatch, ChunkOrderError, FrameTooLarge, MalformedFrame,
                                TruncatedFrame, UnsupportedVersion, WireError)
 from meshd.wire.messages import (MAX_BATCH_FRAMES, MESSAGE_TYPES, PROTOCOL_VERSION, AcceptKV, Cancel, Close,
@@ -15,11 +15,11 @@ from meshd.wire.messages import (MAX_BATCH_FRAMES, MESSAGE_TYPES, PROTOCOL_VERSI
 from meshd.wire.tensors import DTYPES, Tensor
 
 __all__ = [
-    "DEFAULT_CHUNK_TOKENS", "DTYPES", "MAX_BATCH_FRAMES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "AcceptKV", "Cancel",
-    "ChecksumMismatch", "ChunkOrderError", "Close", "Decoder", "DrainRequest", "Error", "ErrorCode", "Forward",
-    "ForwardBatch", "FrameTooLarge", "HandOver", "HandedOver", "KVChunk", "Leaving",
-    "GenerateRequest", "Heartbeat", "Hello", "LedgerRequest", "Limits", "MalformedFrame", "Message", "MsgType",
-    "OpenSession", "Opened", "Phase", "PrefillAssembler", "StatusRequest", "StreamEvent", "Tensor", "Token",
-    "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens", "decode_frame",
-    "encode", "set_chunk_tokens", "set_default_encoding",
+    "DEFAULT_CHUNK_TOKENS", "DEFAULT_ENCODING", "DTYPES", "ENCODINGS", "MAX_BATCH_FRAMES", "MESSAGE_TYPES",
+    "PROTOCOL_VERSION", "AcceptKV", "Cancel", "ChecksumMismatch", "ChunkOrderError", "Close", "Decoder",
+    "DrainRequest", "Error", "ErrorCode", "Forward", "ForwardBatch", "FrameTooLarge", "HandOver", "HandedOver",
+    "KVChunk", "Leaving", "GenerateRequest", "Heartbeat", "Hello", "LedgerRequest", "Limits", "MalformedFrame",
+    "Message", "MsgType", "OpenSession", "Opened", "Phase", "PrefillAssembler", "StatusRequest", "StreamEvent",
+    "Tensor", "Token", "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens",
+    "decode_frame", "encode", "set_chunk_tokens", "set_default_encoding",
 ]

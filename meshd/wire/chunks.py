@@ -6,13 +6,13 @@ total that never changes, and each chunk starts where the previous one ended.
 
 from __future__ import annotations
 
-
 from meshd.wire.errors import ChunkOrderError
 from meshd.wire.messages import Forward
 
 DEFAULT_CHUNK_TOKENS = 128
 
-
+# Process-wide only until every caller passes its size to `chunk_spans` (the entry and the hop's
+# stream do not yet): the daemon's --chunk-tokens, set once at start by `Settings.configure`.
 _chunk_tokens = DEFAULT_CHUNK_TOKENS
 
 

@@ -34,7 +34,9 @@ from meshd.wire.tensors import BYTE_ORDER, DTYPES, Tensor
 
 PREAMBLE = struct.Struct("<III")
 Encoding = Literal["raw", "zstd", "auto"]
-ENCODINGS = ("raw", "zstd")
+ENCODINGS = ("raw", "zstd", "auto")  # how `encode` may pack a frame's tensors (auto: zstd where it pays)
+TENSOR_ENCODINGS = ("raw", "zstd")  # what a tensor descriptor may say it is in
+DEFAULT_ENCODING: Encoding = "raw"
 # zstd must save at least this fraction of the bytes to be used in "auto" mode
 AUTO_MIN_SAVING = 0.05
 ZSTD_LEVEL = 1
@@ -55,8 +57,9 @@ class Limits:
         return self.max_header + self.max_payload
 
 
-ENCODINGS = ("raw", "zstd", "auto")
-_encoding: Encoding = "raw"
+# Process-wide only until every caller passes its encoding to `encode` (p2p/channel.py does not yet):
+# the daemon's --wire-encoding, set once at start by `Settings.configure`.
+_encoding: Encoding = DEFAULT_ENCODING
 
 
 def set_default_encoding(value: str) -> None:
@@ -336,7 +339,7 @@ def _check_descriptor(d, limits: Limits) -> tuple:
         raise MalformedFrame(f"tensor {name!r}: unknown dtype {dtype!r}")
     if order != BYTE_ORDER:
         raise MalformedFrame(f"tensor {name!r}: byte order {order!r} (only little-endian '<' is spoken)")
-    if enc not in ENCODINGS:
+    if enc not in TENSOR_ENCODINGS:
         raise MalformedFrame(f"tensor {name!r}: unknown encoding {enc!r}")
     if not isinstance(shape, list) or len(shape) > limits.max_dims:
         raise FrameTooLarge(f"tensor {name!r}: shape must be a list of at most {limits.max_dims} dims")
