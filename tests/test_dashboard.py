@@ -3,7 +3,6 @@ which HTTP routes need the token. Real daemons behind it: tests/test_dashboard_b
 
 import json
 import re
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -13,6 +12,7 @@ from meshd.api import dashboard
 from meshd.api.http import HttpApi
 from meshd.api.metrics import Metrics
 from meshd.node.recent import RecentGenerations
+from meshd.testing.fakes import FakeDaemon
 from meshd.testing.localmesh import Mesh, ctl
 from meshd.wire import StreamEvent
 
@@ -40,11 +40,7 @@ def test_a_failed_generation_and_a_malformed_route_are_recorded_without_breaking
 
 
 async def test_metrics_record_each_generation_through_the_front_door():
-    class Daemon:
-        def status(self):
-            return {}
-
-    metrics, seen = Metrics(Daemon()), []
+    metrics, seen = Metrics(FakeDaemon()), []
 
     async def run(req, emit):
         await emit(StreamEvent(request_id=1, kind="text", text="Hello"))
@@ -67,11 +63,7 @@ async def test_metrics_record_each_generation_through_the_front_door():
 
 
 async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():
-    class Daemon:
-        def status(self):
-            return {}
-
-    metrics = Metrics(Daemon())
+    metrics = Metrics(FakeDaemon())
 
     async def run(req, emit):  # the second text holds tokens 2 to 4 (tokens 2 and 3 added no text)
         await emit(StreamEvent(request_id=1, kind="text", text="He", stats={"tokens": 1, "prompt_tokens": 3}))
@@ -87,16 +79,10 @@ async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():
     assert counts["meshd_token_latency_seconds_count"] == 4 and counts["meshd_time_to_first_token_seconds_count"] == 1
 
 
-class ScrapedDaemon:
-    """What a scrape of /metrics reads of a daemon: its status and its ledger's totals."""
-
-    def __init__(self, prefix_cache, handovers=None):
-        self.prefix_cache, self.handovers = prefix_cache, handovers
-        self.ledger = SimpleNamespace(totals=lambda: {"peers": {}, "generations": {}, "sessions": {}})
-
-    def status(self):
-        return {"sessions": 0, "kv_bytes": 4096, "peers": [], "gaps": [], "generations": 0,
-                "prefix_cache": self.prefix_cache, "handovers": self.handovers}
+def scraped_daemon(prefix_cache, handovers=None) -> FakeDaemon:
+    """A daemon whose status holds what a scrape of /metrics reads (with its ledger's totals)."""
+    return FakeDaemon({"sessions": 0, "kv_bytes": 4096, "peers": [], "gaps": [], "generations": 0,
+                       "prefix_cache": prefix_cache, "handovers": handovers})
 
 
 def scrape(metrics: Metrics) -> dict:
@@ -107,7 +93,7 @@ def scrape(metrics: Metrics) -> dict:
 async def test_metrics_show_the_prefix_cache_and_the_prompt_tokens_reused():
     cache = {"entries": 2, "held_bytes": 4096, "held_tokens": 64, "hits": 3, "misses": 1, "tokens_reused": 96,
              "evictions": 1, "ttl_s": 600.0}
-    metrics = Metrics(ScrapedDaemon(cache))
+    metrics = Metrics(scraped_daemon(cache))
 
     async def run(req, emit):
         return {"tokens": 4, "prompt_tokens": 40, "cached_tokens": 32}
@@ -124,7 +110,7 @@ async def test_metrics_show_the_prefix_cache_and_the_prompt_tokens_reused():
         "meshd_prefix_hits_total": 3, "meshd_prefix_misses_total": 1, "meshd_prefix_tokens_reused_total": 96,
         "meshd_prefix_evictions_total": 1}
     assert got["meshd_prompt_tokens_total"] == 40 and got["meshd_prompt_tokens_cached_total"] == 32
-    bare = scrape(Metrics(ScrapedDaemon(None)))  # a daemon without layers keeps nothing
+    bare = scrape(Metrics(scraped_daemon(None)))  # a daemon without layers keeps nothing
     assert bare["meshd_prefix_kept_entries"] == 0 and bare["meshd_prefix_hits_total"] == 0
 
 
@@ -139,11 +125,9 @@ def test_the_page_loads_only_its_own_files():
     assert dashboard.asset("/nothing") is None and dashboard.asset("/dashboard.html") is None
 
 
-class FakeDaemon:
+def api_daemon() -> FakeDaemon:
     """What HttpApi reads of a daemon for these routes (the real one: tests/test_dashboard_browser.py)."""
-
-    def status(self):
-        return {"peer_id": "12D3KooWsecretpeer", "complete": True}
+    return FakeDaemon({"peer_id": "12D3KooWsecretpeer", "complete": True})
 
 
 async def call(app, path, headers=()):
@@ -162,7 +146,7 @@ async def call(app, path, headers=()):
 
 
 async def test_the_page_is_open_but_the_status_needs_the_token():
-    app = HttpApi(FakeDaemon(), generate=None, metrics=None, token=TOKEN)
+    app = HttpApi(api_daemon(), generate=None, metrics=None, token=TOKEN)
     status, headers, body = await call(app, "/")
     assert status == 200 and headers[b"content-type"].startswith(b"text/html")
     assert b"connect-src 'self'" in headers[b"content-security-policy"] and b"12D3KooW" not in body
@@ -171,11 +155,11 @@ async def test_the_page_is_open_but_the_status_needs_the_token():
     status, _, body = await call(app, "/v1/meshd/status", [(b"authorization", b"Bearer wrong")])
     assert status == 401
     status, headers, body = await call(app, "/v1/meshd/status", [(b"authorization", f"Bearer {TOKEN}".encode())])
-    assert status == 200 and json.loads(body) == FakeDaemon().status() and headers[b"cache-control"] == b"no-store"
+    assert status == 200 and json.loads(body) == api_daemon().status() and headers[b"cache-control"] == b"no-store"
 
 
 async def test_without_a_token_the_status_is_open():
-    app = HttpApi(FakeDaemon(), generate=None, metrics=None)
+    app = HttpApi(api_daemon(), generate=None, metrics=None)
     status, _, body = await call(app, "/v1/meshd/status/")
     assert status == 200 and json.loads(body)["peer_id"] == "12D3KooWsecretpeer"
     status, headers, _ = await call(app, "/dashboard.js")
@@ -211,6 +195,6 @@ def test_a_real_daemon_serves_the_page_and_its_status_behind_the_token():
 
 def test_metrics_show_hand_overs():
     handovers = {"sent": 2, "received": 1, "failed": 1, "refused": 3, "positions": 640, "moved": 4, "replayed": 1}
-    got = scrape(Metrics(ScrapedDaemon(None, handovers)))
+    got = scrape(Metrics(scraped_daemon(None, handovers)))
     assert {k: got[f"meshd_handover_{k}_total"] for k in handovers} == handovers
-    assert scrape(Metrics(ScrapedDaemon(None)))["meshd_handover_sent_total"] == 0
+    assert scrape(Metrics(scraped_daemon(None)))["meshd_handover_sent_total"] == 0

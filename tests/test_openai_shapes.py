@@ -2,7 +2,6 @@
 builds of a made-up generation (real daemons: tests/test_http.py)."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import trio
@@ -10,6 +9,7 @@ from hypothesis import given, strategies as st
 
 from meshd.api import openai
 from meshd.api.http import HttpApi
+from meshd.testing.fakes import FakeArtifact, FakeConfig, FakeDaemon
 from meshd.wire import StreamEvent
 
 MODEL = "m.gguf"
@@ -117,8 +117,7 @@ async def post(app, body: dict) -> list[dict]:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("stop", [[], [" wor"]])
 async def test_the_usage_tells_the_cached_prompt_tokens_whole_streamed_or_cut_at_a_stop(stream, stop):
-    daemon = SimpleNamespace(artifact=SimpleNamespace(name=MODEL, config=SimpleNamespace(max_positions=2048)),
-                             mesh=None)
+    daemon = FakeDaemon(artifact=FakeArtifact(name=MODEL, config=FakeConfig(max_positions=2048)))
     done = {"tokens": 2, "prompt_tokens": 40, "cached_tokens": 32, "route": []}  # the entry's own stats
     app = HttpApi(daemon, made_up_generate(done), metrics=None)
     body = {"messages": [{"role": "user", "content": "Hi"}], "stream": stream, "stop": stop, "max_tokens": 8}

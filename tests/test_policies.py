@@ -15,7 +15,8 @@ from meshd.entry.route import NoRoute, plan_around
 from meshd.entry.state import Generation
 from meshd.hop.admission import Capacity
 from meshd.node.lifecycle import BadMove, Lifecycle, State
-from meshd.testing.fakes import FakeMesh, coverage, record
+from meshd.testing.fakes import (FakeArtifact, FakeConfig, FakeDialer, FakeMesh, FakeService, FakeShard, coverage,
+                                 record)
 from meshd.wire import ErrorCode
 
 
@@ -194,8 +195,7 @@ def test_a_generation_is_cut_to_the_context_and_ends_on_a_stop_token_or_its_limi
 def head_slot(end: int):
     from meshd.node.slot import Slot
 
-    shard = SimpleNamespace(is_head=True, start=0, end=end, passes_equal_steps=True)
-    return Slot(shard=shard, tokenizer=None, service=SimpleNamespace(name=f"service 0:{end}"), throughput=100.0)
+    return Slot(shard=FakeShard(0, end), tokenizer=None, service=FakeService(f"service 0:{end}"), throughput=100.0)
 
 
 def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on():
@@ -206,9 +206,9 @@ def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on()
     from meshd.node.settings import Settings
 
     d = Daemon(Settings(), ComputeExecutor())
-    d.artifact = SimpleNamespace(config=SimpleNamespace(max_positions=64, eos_id=2), fingerprint="m")
+    d.artifact = FakeArtifact(config=FakeConfig(max_positions=64, eos_id=2), fingerprint="m")
     d.recipe_fp = "r"
-    d.dialer = SimpleNamespace(open_stream=None)  # the reroute plans; nothing is dialled
+    d.dialer = FakeDialer()  # the reroute plans; nothing is dialled
     d.mesh = FakeMesh(record("me", 0, 10), coverage(record("me", 0, 10), record("A", 10, 20), record("B", 10, 30),
                                                    record("C", 20, 30)))
     assert d.switch_to(head_slot(10)) is None

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from meshd.dht.coverage import CoverageMap, choose_range
 from meshd.dht.rebalance import own_move, plan_moves, target
 from meshd.dht.record import CoverageRecord, best_index, first_seq, sign_record
-from meshd.testing.fakes import FakeMesh
+from meshd.testing.fakes import FakeDaemon, FakeMesh
 
 
 def rec(pid, start, end, auto=10, serving=True, n=30):
@@ -138,15 +138,6 @@ def test_six_joins_of_ten_layers_serve_thirty_layers_twice():
         assert rounds <= 2
 
 
-class FakeDaemon:
-    def __init__(self, mesh):
-        from meshd.node.lifecycle import Lifecycle, State
-
-        self.mesh, self.lifecycle = mesh, Lifecycle()
-        self.lifecycle.to(State.SERVING)
-        self.settings = type("S", (), {"move_cooldown": 60.0})()
-
-
 async def test_a_serving_daemon_moves_only_after_the_gap_persisted_and_not_again_within_the_cooldown(autojump_clock):
     import trio
 
@@ -156,7 +147,7 @@ async def test_a_serving_daemon_moves_only_after_the_gap_persisted_and_not_again
     gap = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), me)
     whole = cov(rec("fixed", 0, 12, auto=0), rec("pA", 12, 22), me, rec("pC", 22, 30, auto=0))
     mesh = FakeMesh(me, whole)
-    rb = Rebalancer(FakeDaemon(mesh), want=10)
+    rb = Rebalancer(FakeDaemon(mesh=mesh), want=10)
     moves = []
 
     async def move(m):  # what the daemon does, minus the loading

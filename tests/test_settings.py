@@ -1,7 +1,5 @@
 """Daemon settings: flags > MESHD_* environment > TOML file > defaults; layer ranges; memory budgets."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from meshd.dht.placement import largest_layer_bytes
@@ -45,16 +43,16 @@ def test_socket_defaults_follow_systemd_then_xdg(monkeypatch, tmp_path):
 
 
 def test_memory_budget_bounds_the_auto_range():
-    d = SimpleNamespace(artifact=open_artifact("smollm2"), recipe=get_recipe("exact"))
+    artifact, recipe = open_artifact("smollm2"), get_recipe("exact")
     params = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576  # q, o, k, v, gate/up/down, norms
-    assert largest_layer_bytes(d.artifact, d.recipe) == params * 4  # float32 in the exact recipe
+    assert largest_layer_bytes(artifact, recipe) == params * 4  # float32 in the exact recipe
     matrices, rows, norms = params - 2 * 576, 576 + 192 + 192 + 576 + 2 * 1536 + 576, 2 * 576
-    d.recipe = get_recipe("compact")
-    assert largest_layer_bytes(d.artifact, d.recipe) == matrices + 2 * rows + 4 * norms  # int8, a bfloat16 scale per row
-    d.recipe = get_recipe("auto", d.artifact)
-    assert d.recipe.name == "native"  # the default for a quantized GGUF
-    block = sum(d.artifact.stored_bytes(n) for n in d.artifact.tensor_names() if n.startswith("blk.15."))
-    assert largest_layer_bytes(d.artifact, d.recipe) == block == matrices * 5 // 8 + 4 * norms  # Q4_1 repacks at its own 5 bits
+    recipe = get_recipe("compact")
+    assert largest_layer_bytes(artifact, recipe) == matrices + 2 * rows + 4 * norms  # int8, a bfloat16 scale per row
+    recipe = get_recipe("auto", artifact)
+    assert recipe.name == "native"  # the default for a quantized GGUF
+    block = sum(artifact.stored_bytes(n) for n in artifact.tensor_names() if n.startswith("blk.15."))
+    assert largest_layer_bytes(artifact, recipe) == block == matrices * 5 // 8 + 4 * norms  # Q4_1 repacks at its own 5 bits
     per = params * 4
     assert Settings().layers_wanted(30, per) == 30
     assert Settings(num_layers=10).layers_wanted(30, per) == 10

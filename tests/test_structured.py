@@ -20,6 +20,7 @@ from meshd.api.toolcalls import Arguments, CallBegun, CallSplitter, Content
 from meshd.cli import ctl
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import encode_messages, load_tokenizer
+from meshd.testing.fakes import FakeArtifact, FakeConfig, FakeDaemon
 from meshd.wire import StreamEvent
 from tests.test_openai_shapes import MODEL, post
 
@@ -328,9 +329,9 @@ def made_up_generate(text: str, tokens: int, finish: str | None = None, seen: li
 
 
 def app_for(generate, template: str = "") -> HttpApi:
-    artifact = SimpleNamespace(name=MODEL, config=SimpleNamespace(max_positions=2048),
-                               metadata={"tokenizer.chat_template": template})
-    return HttpApi(SimpleNamespace(artifact=artifact, mesh=None), generate, metrics=None)
+    artifact = FakeArtifact(name=MODEL, config=FakeConfig(max_positions=2048),
+                            metadata={"tokenizer.chat_template": template})
+    return HttpApi(FakeDaemon(artifact=artifact), generate, metrics=None)
 
 
 def assembled(chunks: list[dict]) -> dict:

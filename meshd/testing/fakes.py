@@ -1,6 +1,7 @@
 """Fakes of meshd's own interfaces for fast tests, as `trio.testing` ships memory streams and a clock:
-a hop's channel, a mesh view, coverage records and maps, a channel pair over memory streams, and a
-pair of raw connections (what a transport hands the security upgrade) over memory streams.
+a hop's channel, a mesh view, coverage records and maps, a channel pair over memory streams, a
+pair of raw connections (what a transport hands the security upgrade) over memory streams, and a
+daemon as its parts read it, with a model's artifact, a dialer and a loaded range's shard and service.
 
 Rule: these stand in only for what a test does not exercise; each one keeps the real interface's
 names and meaning, so a test written against a fake reads like one against the real part.
@@ -9,13 +10,17 @@ names and meaning, so a test written against a fake reads like one against the r
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import trio
 import trio.testing
 
+from meshd.api.metrics import Metrics
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord
+from meshd.node.ledger import Ledger
+from meshd.node.lifecycle import Lifecycle, State
+from meshd.node.settings import Settings
 from meshd.p2p.channel import Channel
 from meshd.wire import Heartbeat
 
@@ -110,3 +115,82 @@ def raw_conn_pair() -> tuple[MemoryRawConn, MemoryRawConn]:
     """Two ends of one raw connection (the dialler's first), in memory."""
     a, b = trio.testing.memory_stream_pair()
     return MemoryRawConn(a, ("192.0.2.2", 4690), True), MemoryRawConn(b, ("192.0.2.1", 50000), False)
+
+
+@dataclass
+class FakeConfig:
+    """A model's configuration as the entry and the HTTP API read it."""
+
+    max_positions: int = 2048
+    eos_id: int = 2
+
+
+@dataclass
+class FakeArtifact:
+    """A model's files as their readers see them, without weights: its name, configuration, fingerprint
+    and GGUF metadata (where a chat template lives)."""
+
+    name: str = "m"
+    config: FakeConfig = field(default_factory=FakeConfig)
+    fingerprint: str = "m"
+    metadata: dict = field(default_factory=dict)
+
+
+class FakeDialer:
+    """A dialer that reaches nobody: for tests that plan routes and open no stream."""
+
+    async def open_stream(self, peer_id: str, addrs, protocol):
+        raise ConnectionError(f"a fake dialer dials nobody ({peer_id})")
+
+
+@dataclass
+class FakeShard:
+    """A loaded range as the daemon switches to it, without weights."""
+
+    start: int
+    end: int
+    passes_equal_steps: bool = True
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+
+@dataclass
+class FakeService:
+    """A range's shard service as the daemon hands it to an entry: a name, the nursery it is given."""
+
+    name: str
+    nursery: object = None
+
+
+class FakeEntry:
+    """This daemon's entry: each generation asked of it runs `generate(request, emit) -> stats`."""
+
+    def __init__(self, generate) -> None:
+        self._generate = generate
+
+    async def generate(self, req, emit) -> dict:
+        return await self._generate(req, emit)
+
+
+class FakeDaemon:
+    """The daemon as its parts read it (the control socket, the HTTP API, metrics, the rebalancer): a
+    lifecycle that serves, a status (`status` adds to its state), a mesh view, a model's artifact,
+    settings and a ledger (the real ones, the ledger without a file), metrics over itself, the counters
+    the control socket keeps, and an entry whose generations `generate` runs (none without it)."""
+
+    def __init__(self, status: dict | None = None, *, mesh: FakeMesh | None = None,
+                 artifact: FakeArtifact | None = None, generate=None) -> None:
+        self.lifecycle = Lifecycle()
+        self.lifecycle.to(State.SERVING)
+        self.fields = dict(status or {})
+        self.mesh, self.artifact = mesh, artifact
+        self.entry = FakeEntry(generate) if generate is not None else None
+        self.settings, self.ledger = Settings(), Ledger(None)
+        self.metrics = Metrics(self)
+        self.started_at = time.time()
+        self.active_generations = self.answering = 0
+
+    def status(self) -> dict:
+        return {"state": str(self.lifecycle), **self.fields}
