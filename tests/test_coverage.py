@@ -188,9 +188,17 @@ def test_route_over_hundreds_of_peers_is_optimal_and_quick():
         recs.append(record(f"p{i:03d}", a, b, throughput=rng.uniform(50, 2000)))
     cov = CoverageMap.build(30, recs)
     lat = {r.peer_id: rng.uniform(0.001, 0.05) for r in recs}
+    priced = []
+
+    def link(peer: str) -> float:
+        priced.append(peer)
+        return lat[peer]
+
     t0 = time.perf_counter()
-    route = plan_route(cov, 0, latency=lat)
-    assert time.perf_counter() - t0 < 5  # generous: a bound on complexity, not a benchmark
+    route = plan_route(cov, 0, latency=link)
+    print(f"planned over {len(recs)} peers in {time.perf_counter() - t0:.3f} s")
+    # the bound on complexity: each record is priced at most once for each layer it covers (no walk over chains)
+    assert len(priced) <= sum(r.end - r.start for r in recs)
     assert route.hops[0].start == 0 and route.hops[-1].end == 30
     assert all(x.end == y.start for x, y in zip(route.hops, route.hops[1:]))
     # brute-force check on the same graph: no chain of up to 4 hops is cheaper

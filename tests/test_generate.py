@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -138,12 +139,27 @@ def test_bad_input_on_a_shard_stream_gets_a_clear_error_and_hurts_nothing(mesh3,
 PLAIN = ("--no-speculate",)  # disruption tests of plain decoding: a generation long enough to be disrupted
 
 
-def disrupted_run(disrupt, prompt: str, tokens: int, after_chars=1, extra=()):
-    """Generate on a mesh where two daemons serve 10:20, disrupting the one in use mid-stream (once
-    the client has read `after_chars` characters); `extra`: more arguments for `meshctl generate`.
+class Disrupted(NamedTuple):
+    """One disrupted generation, as `disrupted_run` saw it."""
 
-    Returns the undisturbed text, the disturbed text, meshctl's exit code, stderr, the longest pause
-    the client saw after the disruption, and the peer ids of the victim and the survivor."""
+    solo: str  # the undisturbed text
+    text: str  # the disturbed text
+    code: int  # meshctl's exit code
+    err: str  # meshctl's stderr (the stats on its last line)
+    pause: float  # the longest pause the client saw after the disruption (seconds)
+    victim: str  # the peer id of the 10:20 daemon disrupted
+    survivor: str  # ... and of the other one
+    survivor_passes: int  # passes the survivor ran from the disruption to the generation's end
+    entry_log: str  # the entry daemon's log
+
+    @property
+    def stats(self) -> dict:
+        return json.loads(self.err.strip().splitlines()[-1])
+
+
+def disrupted_run(disrupt, prompt: str, tokens: int, after_chars=1, extra=()) -> Disrupted:
+    """Generate on a mesh where two daemons serve 10:20, disrupting the one in use mid-stream (once
+    the client has read `after_chars` characters); `extra`: more arguments for `meshctl generate`."""
     m = Mesh()
     try:
         # records outlive the disruption here: these tests are about the entry's reaction, not expiry
@@ -158,6 +174,7 @@ def disrupted_run(disrupt, prompt: str, tokens: int, after_chars=1, extra=()):
         assert len(in_use) == 1
         victim, survivor = in_use[0], (b2 if in_use[0] is b1 else b1)
         ids = victim.status()["peer_id"], survivor.status()["peer_id"]
+        passes_before = survivor.status()["steps"]
         disrupt(victim.proc)
         try:
             rest, stall = read_rest(proc.stdout)
@@ -165,7 +182,8 @@ def disrupted_run(disrupt, prompt: str, tokens: int, after_chars=1, extra=()):
             code = proc.wait(60)
         finally:
             victim.proc.send_signal(signal.SIGCONT)
-        return solo.stdout, first + rest, code, err, stall, ids
+        return Disrupted(solo.stdout, first + rest, code, err, stall, *ids, survivor.status()["steps"] - passes_before,
+                         a.log_path.read_text(errors="replace"))
     finally:
         m.close()
 
@@ -173,40 +191,43 @@ def disrupted_run(disrupt, prompt: str, tokens: int, after_chars=1, extra=()):
 def test_a_hop_killed_mid_generation_is_routed_around():
     # plain decoding (test_speculation kills a hop mid-speculation): drafts of a text that repeats
     # itself had finished the generation before the disruption landed
-    solo, text, code, err, _, (victim, survivor) = disrupted_run(lambda p: p.kill(), PROMPTS[1], 240, extra=PLAIN)
-    assert code == 0, err
-    stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["reroutes"] >= 1 and stats["tokens"] == 240 and text == solo
+    run = disrupted_run(lambda p: p.kill(), PROMPTS[1], 240, extra=PLAIN)
+    assert run.code == 0, run.err
+    stats = run.stats
+    assert stats["reroutes"] >= 1 and stats["tokens"] == 240 and run.text == run.solo
     hops = [hop[0] for hop in stats["route"]]
-    assert survivor in hops and victim not in hops
+    assert run.survivor in hops and run.victim not in hops
 
 
 def test_a_reroute_late_in_a_long_generation_replays_in_chunks_and_keeps_the_text():
     """Killed about 500 tokens into a 640-token generation: the new route replays the generated
     tokens as decode frames of prefill-sized chunks, whose every position each hop computes bit for
     bit as the decode step it was (before: one decode step per token, a pause that grew with the
-    length; 59.2 s after ~240 tokens, issue 20, whose goal is under 2 s with 500 tokens generated)."""
+    length; 59.2 s after ~240 tokens, issue 20, whose goal is under 2 s with 500 tokens generated:
+    bench/handover_bench.py measures the pause of a crash at 200, 1,000 and 4,000 tokens)."""
     tok = load_tokenizer(open_artifact("smollm2"))
 
     def after_500_tokens(solo: str) -> int:  # the characters of the first 500 tokens' text
         return len(tok.decode(tok(solo, add_special_tokens=False).input_ids[:500]))
 
-    solo, text, code, err, pause, _ = disrupted_run(lambda p: p.kill(), PROMPTS[1], 640, after_chars=after_500_tokens,
-                                                    extra=PLAIN)
-    assert code == 0, err
-    stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["reroutes"] >= 1 and stats["tokens"] == 640 and text == solo
-    print(f"hop killed ~500 tokens in ({after_500_tokens(solo)} characters): the client's longest pause {pause:.2f} s")
-    assert pause < 30  # generous for a loaded CI machine; the figure is the printed one
+    run = disrupted_run(lambda p: p.kill(), PROMPTS[1], 640, after_chars=after_500_tokens, extra=PLAIN)
+    assert run.code == 0, run.err
+    stats = run.stats
+    assert stats["reroutes"] >= 1 and stats["tokens"] == 640 and run.text == run.solo
+    print(f"hop killed ~500 tokens in ({after_500_tokens(run.solo)} characters): the client's longest pause"
+          f" {run.pause:.2f} s; the survivor ran {run.survivor_passes} passes")
+    # the 500 tokens or more generated before the kill went through the survivor in a few passes (a replay of
+    # one step per token would have taken one pass each), then the 140 or fewer left one pass each
+    assert run.survivor_passes < 500
 
 
 def test_a_frozen_hop_is_noticed_quickly_and_routed_around():
     """SIGSTOP leaves the hop's connection open but silent: it stops echoing the entry's pings, which
-    a hop busy computing keeps doing (measured: the client's longest pause ~2 s)."""
-    solo, text, code, err, pause, _ = disrupted_run(lambda p: p.send_signal(signal.SIGSTOP), PROMPTS[0], 200,
-                                                    extra=PLAIN)
-    assert code == 0, err
-    assert pause < 20  # a second and a half of silence (~2 s measured), not TCP's minutes; generous for loaded CI
-    print(f"frozen hop: the client's longest pause {pause:.2f} s")
-    stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["reroutes"] >= 1 and text == solo
+    a hop busy computing keeps doing, and the entry gives it up after SILENT_S of silence (tests/test_entry.py
+    times the silence on a mock clock; bench/handover_bench.py's frozen mode measures the client's pause, ~2 s)."""
+    run = disrupted_run(lambda p: p.send_signal(signal.SIGSTOP), PROMPTS[0], 200, extra=PLAIN)
+    assert run.code == 0, run.err
+    print(f"frozen hop: the client's longest pause {run.pause:.2f} s")
+    # given up for its silence, not waited on until a step's timeout or TCP's minutes
+    assert f"hop {run.victim[-8:]} failed: silent for" in run.entry_log, run.entry_log[-3000:]
+    assert run.stats["reroutes"] >= 1 and run.text == run.solo

@@ -1,12 +1,11 @@
 """One hostile peer against the 10:20 daemon of a three-daemon mesh with small limits (issue 26):
 each attack keeps the daemon's RSS within its bounds, its heartbeat echo under the silence
-threshold, an honest generation correct during the attack and right after it, and the memory
-comes back once the attacker left. The numbers (RSS before/peak/after, the honest times) are in
-`bench/hostile_bench.py`'s table; here they are bounds."""
+threshold (no generation through it is rerouted), an honest generation correct during the attack and
+right after it, and the memory comes back once the attacker left. The numbers (RSS before/peak/after,
+the longest echo, the honest times) are in `bench/hostile_bench.py`'s table; here RSS has bounds."""
 
 import pytest
 
-from meshd.entry.attempt import SILENT_S
 from meshd.testing.hostile_run import honest_generation, run_attack
 from meshd.testing.localmesh import Mesh
 
@@ -37,7 +36,10 @@ def attack(mesh, name, coro, hold_s=0.0, kv=0):
     report = run_attack(name, b.proc.pid, b.addr, a.socket, reference, coro, hold_s=hold_s)
     print(report.row())
     assert report.rss_peak <= report.rss_before + FRAME_BUDGET + kv + MARGIN, report.row()
-    assert report.echo_max_s < SILENT_S, report.row()
+    # its heartbeat echo stayed under the silence threshold (the figure is in the row): the entry never gave up
+    # on it, during the attack or after
+    after, during = a.status()["recent_generations"][:2]  # the newest first
+    assert during["reroutes"] == after["reroutes"] == 0, (during, after, report.row())
     # the generation started as the attacker left completes with the reference text (its time is in
     # the row: a duration on this shared box is no assertion)
     assert report.during.ok and report.after.ok, report.row()

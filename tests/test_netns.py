@@ -143,7 +143,9 @@ def test_round_trips_take_at_least_the_configured_delay(bed):
         best = min(out["rtt_s"]) * 1000
         print(f"{home}: configured RTT {2 * one_way_ms} ms, measured min {best:.1f} ms, "
               f"median {sorted(out['rtt_s'])[5] * 1000:.1f} ms, connect {out['connect_s'] * 1000:.1f} ms")
-        assert 2 * one_way_ms <= best < 2 * one_way_ms + 100
+        # a floor the switch keeps however loaded the box (that it adds each link's delay once and no more:
+        # tests/test_netswitch.py, on made-up times)
+        assert best >= 2 * one_way_ms
         assert out["connect_s"] * 1000 >= 2 * one_way_ms  # the SYN and its answer crossed the switch too
 
 

@@ -15,6 +15,7 @@ from meshd.testing.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 ENV = {"MESHD_RECORD_TTL": "8", "MESHD_MOVE_COOLDOWN": "30"}
+# how long the waits for coverage and for the heal last at most (bench/join_bench.py measures both)
 JOIN_BOUND_S = 150.0  # measured 24-51 s on a shared 2-core machine (README, "Join a mesh"): about 3x
 HEAL_BOUND_S = 60.0  # measured 16-18 s (gap seen after 6-8 s, then a record TTL of hysteresis, then a load)
 
@@ -42,7 +43,6 @@ def test_six_auto_daemons_cover_twice_then_heal_after_two_are_killed():
         daemons = start_auto(mesh, 6)
         wait_counts(daemons, [2] * 30, JOIN_BOUND_S)
         joined = time.monotonic() - t0
-        assert joined <= JOIN_BOUND_S, joined
         print(f"six auto daemons: every layer served twice after {joined:.1f} s")
         before = {d.name: d.status() for d in daemons}
         ranges = {name: tuple(st["range"]) for name, st in before.items()}
@@ -59,7 +59,6 @@ def test_six_auto_daemons_cover_twice_then_heal_after_two_are_killed():
         for d in alive:
             d.wait_for(lambda s: s["complete"] and s["state"] == "serving", timeout=HEAL_BOUND_S, what="healed")
         healed = time.monotonic() - t1
-        assert healed <= HEAL_BOUND_S, healed
         print(f"two killed: gap seen after {gap_seen:.1f} s, healed after {healed:.1f} s")
         movers = [d.status() for d in alive]
         moved = [s for d, s in zip(alive, movers) if s["moved"] != before[d.name]["moved"]]

@@ -342,18 +342,26 @@ def test_a_decode_run_stops_a_few_steps_ahead_of_a_slow_caller(artifact, compute
 def test_compute_busy_time_grows_while_a_long_job_runs():
     """A decode run is one job of many steps: status's compute_busy_s counts it as it goes."""
     executor = ComputeExecutor().start_thread()
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
+
+    def job():
+        started.set()
+        release.wait(10)
+
     try:
         async def main():
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(executor.run, release.wait, 10)
+                nursery.start_soon(executor.run, job)
+                await trio.to_thread.run_sync(started.wait, 10)
+                early = executor.busy_s  # the job still runs: it waits for `release`
                 await trio.sleep(0.2)
-                during = executor.busy_s  # the job still runs: it waits for `release`
+                during = executor.busy_s
                 release.set()
-            return during, executor.busy_s
+            return early, during, executor.busy_s
 
-        during, after = trio.run(main)
-        assert 0.15 < during <= after < 10
+        early, during, after = trio.run(main)
+        print(f"compute busy {early:.3f} s, then {during:.3f} s while the job ran, {after:.3f} s after")
+        assert 0 < early < during <= after  # counted while the job runs, not only once it ended
     finally:
         executor.stop()
 

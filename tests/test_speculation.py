@@ -72,12 +72,12 @@ def test_seeded_sampling_with_speculation_repeats_and_counters_add_up(mesh):
 def test_a_hop_killed_mid_speculation_keeps_the_text():
     # 400 tokens, the kill after 200 characters (~50 tokens): drafts stream the rest in bursts, and with
     # 160 the generation had finished on this box before the kill landed (no reroute to check)
-    solo, text, code, err, pause, _ = disrupted_run(lambda p: p.kill(), QUOTE, 400, after_chars=200)
-    assert code == 0, err
-    stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["reroutes"] >= 1 and stats["tokens"] == 400 and text == solo
+    run = disrupted_run(lambda p: p.kill(), QUOTE, 400, after_chars=200)
+    assert run.code == 0, run.err
+    stats = run.stats
+    assert stats["reroutes"] >= 1 and stats["tokens"] == 400 and run.text == run.solo
     assert stats["accepted"] > 0
-    print(f"hop killed mid-speculation: the client's longest pause {pause:.2f} s")
+    print(f"hop killed mid-speculation: the client's longest pause {run.pause:.2f} s")
 
 
 def test_a_draft_model_at_the_entry_keeps_the_text_and_its_drafts_stand():
