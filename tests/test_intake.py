@@ -278,7 +278,8 @@ def test_sessions_admitted_but_not_yet_open_count_against_their_peer():
     assert intake.admission(service, "A", open_msg(6, fp="x")) is None  # the endpoint will say what is wrong
     intake.opened(service, "A", open_msg(6, fp="x"))  # never counted: takes nothing back
     intake.opened(service, "A", open_msg(0))
-    assert intake.opening == {"A": 3, "B": 1} and intake.opening_kv == {"A": 30, "B": 10}
+    # what is pending is reserved in the session table, the one owner of a hop's sessions (meshd/hop/sessions.py)
+    assert endpoint.sessions.pending("A") == (3, 30) and endpoint.sessions.pending("B") == (1, 10)
 
 
 async def test_the_heap_is_trimmed_after_a_burst_and_again_while_buffers_are_freed(monkeypatch):

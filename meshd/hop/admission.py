@@ -5,15 +5,27 @@ Rule: the same numbers answer both questions, "may this session open?" (`refusal
 behind a `busy` reply) and "how many more would fit?" (`free_sessions`, the record's free capacity
 that entries and routes read), so the two can never disagree. One peer (the daemon a session's
 stream comes from) gets at most `share` of the sessions and of the KV budget (`peer_refusal`): the
-rest is a floor for everybody else.
+rest is a floor for everybody else. Every refusal a hop sends for want of room is built by `busy`, with one
+rule for when to try again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshd.wire import Error, ErrorCode
+
 TYPICAL_LENGTH = 2048  # positions of the session `free_sessions` counts in
 PEER_SHARE = 0.75  # of the sessions and the KV budget, what one peer may hold
+BUSY_RETRY_S = 1.0  # when room for a session (sessions, KV, streams) may be free again: about a short generation
+
+
+def busy(message: str, request_id: int = 0, session_id: bytes = b"", drain_s: float | None = None) -> Error:
+    """The retriable `busy` refusal a hop sends. Its hint (`retry_after_s`) follows one rule: how long until
+    what is refused may fit, where the refuser knows it (`drain_s`: the time the work ahead of a full queue
+    takes, `PassStats.retry_hint`), else BUSY_RETRY_S: room frees as a session ends."""
+    return Error(code=ErrorCode.BUSY, message=message, retriable=True, request_id=request_id, session_id=session_id,
+                 retry_after_s=BUSY_RETRY_S if drain_s is None else drain_s)
 
 
 @dataclass(frozen=True)

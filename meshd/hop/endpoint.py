@@ -9,6 +9,8 @@ A session may open from KV kept of the same requester's earlier tokens (`OpenSes
 `Opened.reused`; a `Close` with `keep` keeps it: `meshd/shard/prefix.py`), and a tail's session may sample
 under a grammar (`meshd/shard/grammar.py`), fed the generated ids the head sends on with its output (`fed`).
 KV a leaving hop hands over comes only as an entry asked for it (`AcceptKV`, then `KVChunk`s: `meshd/hop/handover.py`).
+Sessions come and go through its `SessionTable` (`meshd/hop/sessions.py`): `_open` is the way in, `release` (and
+the shard's evictions, `_evicted`) the way out, whose closer here frees the shard's part and writes the ledger.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from meshd.hop import sketch
-from meshd.hop.admission import TYPICAL_LENGTH, Capacity
+from meshd.hop.admission import TYPICAL_LENGTH, Capacity, busy
 from meshd.hop.handover import HandOverRefused, Incoming
 from meshd.hop.sessions import HopSession, SessionTable
 from meshd.shard import grammar, prefix
@@ -36,7 +38,6 @@ KIND = {Phase.PREFILL: PASS, Phase.DECODE: STEPS, Phase.VERIFY: SCORE}  # how a 
 
 
 MAX_SESSIONS = 64
-BUSY_RETRY_S = 1.0  # the hint sent with a refused session: about a short generation's time
 IDLE_WHEN_FULL_S = 60.0  # a session unused this long gives its room to a new one when the shard is full
 # (a live generation sends a frame every step; an entry waits at most --busy-wait, 30 s, for a busy hop)
 
@@ -53,6 +54,8 @@ class ShardEndpoint:
         self.shard, self.model_fp, self.recipe_fp = shard, model_fingerprint, recipe_fingerprint
         self.max_sessions, self.idle_when_full = max_sessions, idle_when_full
         self.sessions = SessionTable()
+        self.sessions.closers.append(self._let_go)
+        shard.on_evict.append(self._evicted)
         self.refused = 0  # sessions refused as busy
         self.ledger = None  # the daemon's work ledger: one row per session served for another peer
         self.tokenizer = None  # a tail's (the head's too): what a grammar's tokens are (meshd/node/slot.py sets it)
@@ -89,8 +92,7 @@ class ShardEndpoint:
         try:
             self.incoming.accept(msg, requester)
         except KVBudgetExceeded as exc:
-            return [replace(self._error(msg, ErrorCode.BUSY, f"busy: {exc}", retriable=True),
-                            retry_after_s=BUSY_RETRY_S)]
+            return [busy(f"busy: {exc}", getattr(msg, "request_id", 0), getattr(msg, "session_id", b""))]
         return [Opened(request_id=0, session_id=msg.ticket, epoch=0)]
 
     def release(self, key: tuple[bytes, int], outcome: str = "failed", keep: list[bytes] = ()) -> None:
@@ -98,24 +100,29 @@ class ShardEndpoint:
         stream was lost, or it sat idle past the KV TTL). With `keep` (the chain of the tokens its KV
         holds, `meshd/shard/prefix.py`) its KV is kept for a later session of the same requester that
         extends those tokens."""
-        session = self.sessions.pop(key, None)
-        self._record(session, "handed_over" if session is not None and session.handed_over else outcome)
-        if keep and session is not None:
-            self.shard.keep(key, session.requester, list(keep))
+        if self.sessions.close(key, outcome, keep) is None:
+            self.shard.release(key)  # not open here: whatever the shard holds under its key goes
+
+    def _let_go(self, session: HopSession) -> None:
+        """The table's closer: the shard's part of a closed session goes (or its KV is kept), and the ledger
+        says how it ended."""
+        if session.keep:
+            self.shard.keep(session.key, session.requester, list(session.keep))
         else:
-            self.shard.release(key)
+            self.shard.release(session.key)
+        if session.requester and self.ledger is not None:
+            self.ledger.session_served(session.requester, *session.layers, session.positions, session.ended,
+                                       session.opened_at)
+
+    def _evicted(self, key: tuple[bytes, int]) -> None:
+        """The shard's KV store evicted a session (idle past its TTL): it ends, as having failed."""
+        self.sessions.close(key, "failed")
 
     def evict_expired(self) -> list[tuple[bytes, int]]:
-        self.incoming.expire()  # hand-overs whose KV stopped coming
-        evicted = self.shard.evict_expired()
-        for key in evicted:
-            self._record(self.sessions.pop(key, None), "failed")
-        return evicted
-
-    def _record(self, session: HopSession | None, outcome: str) -> None:
-        if session is not None and session.requester and self.ledger is not None:
-            self.ledger.session_served(session.requester, *session.layers, session.positions, outcome,
-                                       session.opened_at)
+        """End the sessions idle past the KV TTL (through `_evicted`) and hand-overs whose KV stopped coming;
+        the keys of the sessions evicted."""
+        self.incoming.expire()
+        return self.shard.evict_expired()
 
     def capacity(self, reclaiming: bool = False) -> Capacity:
         """The numbers admission weighs; with `reclaiming`, the room of sessions unused past
@@ -171,15 +178,14 @@ class ShardEndpoint:
         why = self.admit(key, need)
         if why is not None:
             self.refused += 1
-            error = self._error(msg, ErrorCode.BUSY, f"busy: {why}", retriable=True)
-            return [replace(error, retry_after_s=BUSY_RETRY_S)]
+            return [busy(f"busy: {why}", msg.request_id, msg.session_id)]
         tail = msg.end == self.shard.config.n_layers
         sampler = Sampler(SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)) if tail else None
         constraint = self._constraint(msg) if tail and msg.grammar else None  # a bad grammar refuses the open
         self.shard.open_session(key, msg.max_length, msg.start, msg.end, msg.rope_table)  # a table it lacks: refused
-        self.sessions[key] = HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need,
-                                        layers=(msg.start, msg.end), requester=requester, opened_at=time.time(),
-                                        constraint=constraint, carries_ids=bool(msg.grammar) and not tail)
+        self.sessions.open(HopSession(key, sampler, head=msg.start == 0, microbatch=msg.microbatch, promised=need,
+                                      layers=(msg.start, msg.end), requester=requester, opened_at=time.time(),
+                                      constraint=constraint, carries_ids=bool(msg.grammar) and not tail))
         reused = self.shard.reuse(key, requester, asked) if asked else 0
         return [Opened(request_id=msg.request_id, session_id=msg.session_id, epoch=msg.epoch, reused=reused)]
 
@@ -254,7 +260,7 @@ class ShardEndpoint:
 
     def _failed(self, msg: Message, exc: Exception) -> list[Message]:
         if isinstance(exc, KVBudgetExceeded):
-            return [self._error(msg, ErrorCode.BUSY, str(exc), retriable=True)]
+            return [busy(str(exc), getattr(msg, "request_id", 0), getattr(msg, "session_id", b""))]
         if isinstance(exc, CacheMiss):
             return [self._error(msg, ErrorCode.UNKNOWN_SESSION, str(exc), retriable=True)]
         if isinstance(exc, (ValueError, TypeError)):

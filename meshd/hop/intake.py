@@ -4,7 +4,9 @@ peer's share of the sessions, the KV budget and the queue, and how long a stream
 half-sent frame or say nothing at all.
 
 Rule: every answer here is given on the event loop at once (a refusal never waits behind a pass),
-and every count taken is given back in one place (`opened`, `dequeue`, `release`).
+and every count taken is given back in one place (`opened`, `dequeue`, `release`). A session admitted here
+is reserved in its shard's session table (`meshd/hop/sessions.py`) until its open was tried: that table,
+not the intake, says what each peer holds.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.hop.admission import PEER_SHARE
+from meshd.hop.admission import PEER_SHARE, busy
 from meshd.p2p.budget import ByteBudget, Held
 from meshd.p2p.channel import FRAME_TIMEOUT, Channel
 from meshd.shard.footprint import trim_heap
-from meshd.wire import Error, ErrorCode, OpenSession
+from meshd.wire import Error, OpenSession
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 IDLE_TIMEOUT = 300.0
@@ -42,10 +44,7 @@ class Intake:
     idle_timeout: float = IDLE_TIMEOUT
     peer_share: float = PEER_SHARE  # of the sessions and KV, what one peer may hold (meshd/hop/admission.py)
     streams: Counter = field(default_factory=Counter)  # peer -> shard streams open now
-    opening: Counter = field(default_factory=Counter)  # peer -> sessions admitted here, not yet opened
-    opening_kv: Counter = field(default_factory=Counter)  # peer -> their KV bytes
     queued: Counter = field(default_factory=Counter)  # peer -> its Forward frames waiting for compute here
-    admitted: set = field(default_factory=set)  # (peer, session key) counted in `opening`
     trims_due: int = 0  # heap trims `trim_loop` still owes the last burst
 
     def channel(self, stream) -> Channel:
@@ -57,42 +56,34 @@ class Intake:
     def admission(self, service, peer: str, msg: OpenSession) -> Error | None:
         """The `busy` refusal of a session, answered on the event loop (not behind a pass): the
         daemon is full, or this peer holds its share. None: the endpoint decides (and says what
-        else may be wrong); the session then counts against the peer until it is open."""
+        else may be wrong); the session then counts against the peer until it is open (reserved in the
+        endpoint's session table)."""
         endpoint = service.endpoint
-        if ((msg.model_fingerprint, msg.recipe_fingerprint) != (endpoint.model_fp, endpoint.recipe_fp)
-                or (msg.session_id, msg.epoch) in endpoint.sessions):
+        key = (msg.session_id, msg.epoch)
+        if (msg.model_fingerprint, msg.recipe_fingerprint) != (endpoint.model_fp, endpoint.recipe_fp) \
+                or key in endpoint.sessions:
             return None
         need = endpoint.kv_need(msg)
-        count, promised = endpoint.sessions.held_by(peer)
+        count, promised = endpoint.sessions.held_by(peer)  # its open sessions and those reserved for it
         room = endpoint.capacity(reclaiming=True)  # sessions long unused give way to a new one
-        why = room.peer_refusal(count + self.opening[peer], promised + self.opening_kv[peer], need, self.peer_share)
+        why = room.peer_refusal(count, promised, need, self.peer_share)
         if why is None:
-            self.opening[peer] += 1
-            self.opening_kv[peer] += need
-            self.admitted.add((peer, (msg.session_id, msg.epoch)))
+            endpoint.sessions.reserve(peer, key, need)
             return None
         endpoint.refused += 1
-        return Error(code=ErrorCode.BUSY, message=f"busy: this daemon is full: {why}", retriable=True,
-                     request_id=msg.request_id, session_id=msg.session_id, retry_after_s=BUSY_RETRY_S)
+        return busy(f"busy: this daemon is full: {why}", msg.request_id, msg.session_id)
 
     def opened(self, service, peer: str, msg: OpenSession) -> None:
         """A session admitted by `admission` has opened (or failed to): it counts as held, or not at all."""
-        if (peer, (msg.session_id, msg.epoch)) not in self.admitted:
-            return
-        self.admitted.discard((peer, (msg.session_id, msg.epoch)))
-        for counter, n in ((self.opening, 1), (self.opening_kv, service.endpoint.kv_need(msg))):
-            counter[peer] -= n
-            if counter[peer] <= 0:
-                del counter[peer]
+        service.endpoint.sessions.settle(peer, (msg.session_id, msg.epoch))
 
     def enqueue(self, service, peer: str) -> Error | None:
         """Count one more Forward frame of `peer`'s waiting here, or the `busy` refusal when its share
         of the shard's queue (`peer_share` of `--max-queue`) is full."""
         most = max(1, int(service.scheduler.max_queued * self.peer_share))
         if self.queued[peer] >= most:
-            return Error(code=ErrorCode.BUSY, retriable=True, retry_after_s=BUSY_RETRY_S,
-                         message=f"busy: this daemon is full: this peer has {self.queued[peer]} frames waiting here,"
-                                 f" its share of {service.scheduler.max_queued}")
+            return busy(f"busy: this daemon is full: this peer has {self.queued[peer]} frames waiting here,"
+                        f" its share of {service.scheduler.max_queued}")
         self.queued[peer] += 1
         return None
 

@@ -9,12 +9,16 @@ pass that go to the same next daemon leave as one `ForwardBatch` on a link share
 sessions (`meshd/hop/links.py`). Where each session's outputs go is `meshd/hop/outputs.py`'s; every
 failure goes back as an `Error` frame. An entry that holds the whole route and the shard alone may run
 its decode steps back to back on the compute thread (`decode_run`), until other work comes.
+A session ends through its table (`meshd/hop/sessions.py`), on the compute thread; the event loop's part of
+the end (its due mark, its share of a next hop's link) follows in `reap`, whoever ended it: its entry, its
+stream, a newcomer that took its room, or the KV store that evicted it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable
@@ -22,12 +26,14 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 import trio
 
 from meshd.hop import handover
+from meshd.hop.admission import busy
 from meshd.hop.due import DueFrames
 from meshd.hop.endpoint import ShardEndpoint
 from meshd.hop.links import NextHop
 from meshd.hop.outputs import Outputs
 from meshd.hop.passes import PassStats, local_tokens, route_outputs
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
+from meshd.hop.sessions import HopSession
 from meshd.hop.stream import serve_shard_stream
 from meshd.node.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
@@ -65,6 +71,13 @@ class ShardService:
         self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
         self.outputs = Outputs(endpoint.sessions)  # where each session's outputs go (`dial` set by the slot)
         self.nursery: trio.Nursery | None = None  # where hand-overs run (the daemon's; None: none are sent)
+        self._ended: deque[HopSession] = deque()  # sessions the table closed, whose event-loop part `reap` lets go
+        self._reaping = False  # a `reap` is posted to the event loop
+        try:
+            self._loop: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # built outside trio (tests): reaped at the next call
+            self._loop = None
+        endpoint.sessions.closers.append(self._closed)
 
     async def handle(self, msg: Message, peer: str | None = None) -> list[Message]:
         """Answer one message: a Forward joins the next pass it can, the rest run in order. `peer`: the
@@ -78,9 +91,10 @@ class ShardService:
             if peer is not None and not self.endpoint.opened_by((msg.session_id, msg.epoch), peer):
                 log.warning("a peer tried to end a session it did not open", peer=peer[-8:])
                 return []
-            self._cancel((msg.session_id, msg.epoch))
-            await self.outputs.unlink((msg.session_id, msg.epoch))
-        return await self.compute.run(self.endpoint.handle, msg, peer or "")  # hand-overs check who asks
+            await self._end((msg.session_id, msg.epoch))
+        replies = await self.compute.run(self.endpoint.handle, msg, peer or "")  # hand-overs check who asks
+        await self.reap()
+        return replies
 
     async def open_linked(self, msg: OpenSession, home: Channel) -> list[Message]:
         """Open a session whose tokens and errors go to `home`, and whose hidden states go straight
@@ -88,8 +102,7 @@ class ShardService:
         A retired service refuses as busy, so the entry picks another route at once."""
         if self.retired:
             self.endpoint.refused += 1
-            return [Error(code=ErrorCode.BUSY, message="draining: this daemon is leaving the mesh", retriable=True,
-                          request_id=msg.request_id, session_id=msg.session_id, retry_after_s=1.0)]
+            return [busy("draining: this daemon is leaving the mesh", msg.request_id, msg.session_id)]
         key = (msg.session_id, msg.epoch)
         if msg.grammar and msg.end == self.endpoint.shard.config.n_layers and self.endpoint.tokenizer is not None:
             # the first grammar here builds the tokenizer's view off the compute thread (seconds for a big vocab)
@@ -97,6 +110,7 @@ class ShardService:
         stale = self.endpoint.sessions.links(key)  # a reopened session starts afresh
         replies = await self.compute.run(self.endpoint.handle, msg, getattr(home, "peer", ""))
         await self.outputs.let_go(stale)
+        await self.reap()  # sessions whose room this one took
         session = self.endpoint.sessions.get(key)
         if not replies or not isinstance(replies[0], Opened) or session is None:
             return replies
@@ -147,6 +161,40 @@ class ShardService:
         for work in self.scheduler.cancel(key):
             work.output, work.done = [], True
 
+    async def _end(self, key: tuple[bytes, int]) -> None:
+        """The event loop's part of a session its entry ends (or its stream), before the table closes it: its
+        waiting work goes unanswered, its due mark and its link go."""
+        self.due.arrived(key)
+        self._cancel(key)
+        await self.outputs.unlink(key)
+
+    def _closed(self, session: HopSession) -> None:
+        """The table's closer, on whichever thread closed the session: the event loop lets go of its part
+        (`reap`) at its next turn. Its waiting work is not dropped: an evicted session's is answered
+        `unknown_session` (an entry's close dropped it before)."""
+        self._ended.append(session)
+        if self._loop is not None and self.nursery is not None and not self._reaping:
+            self._reaping = True
+            try:
+                self._loop.run_sync_soon(self._reap_soon)
+            except trio.RunFinishedError:
+                pass
+
+    def _reap_soon(self) -> None:
+        self._reaping = False
+        try:
+            self.nursery.start_soon(self.reap)
+        except RuntimeError:  # the daemon's nursery is closing: nothing left to let go of
+            pass
+
+    async def reap(self) -> None:
+        """Let go of the event loop's part of the sessions the table closed: their due marks, their links."""
+        while self._ended:
+            session = self._ended.popleft()
+            self.due.arrived(session.key)
+            links, session.links = session.links, None
+            await self.outputs.let_go(links)
+
     def submit(self, msg: Forward) -> Work | Error:
         """Queue a Forward frame for the next pass it can join (at once, without waiting), or the
         `busy` Error that refuses it."""
@@ -160,8 +208,8 @@ class ShardService:
             decode = msg.phase in (Phase.DECODE, Phase.VERIFY)  # a step of chosen tokens (one, a replay's, or drafts)
             return self.scheduler.submit(key, rows, decode, msg, state.microbatch if state else 0)
         except QueueFull as exc:
-            return Error(code=ErrorCode.BUSY, message=str(exc), retriable=True, session_id=msg.session_id,
-                         retry_after_s=self.stats.retry_hint(self.scheduler.queued, self.scheduler.max_batch))
+            return busy(str(exc), session_id=msg.session_id,
+                        drain_s=self.stats.retry_hint(self.scheduler.queued, self.scheduler.max_batch))
 
     async def _forward(self, msg: Forward) -> list[Message]:
         work = self.submit(msg)
@@ -191,6 +239,7 @@ class ShardService:
                 # other sessions' frames of the same upstream pass are arriving on their own streams
                 # a moment apart: wait for them, so one pass takes them all (not 1, then the rest)
                 await trio.sleep(self.gather_s)
+            await self.reap()  # a session evicted meanwhile is not waited for
             await self._wait_for_due()
             batch = self.scheduler.schedule()
             if not batch:
@@ -308,10 +357,9 @@ class ShardService:
     async def release(self, key: tuple[bytes, int], keep: list[bytes] = ()) -> None:
         """Free a session's KV, or with `keep` keep it for a later session extending those tokens (see
         `ShardEndpoint.release`); safe while other sessions compute: it runs in order on the compute thread."""
-        self.due.arrived(key)
-        self._cancel(key)
-        await self.outputs.unlink(key)
+        await self._end(key)
         await self.compute.run(self.endpoint.release, key, "completed" if keep else "failed", keep)
+        await self.reap()
 
     async def serve_stream(self, stream) -> None:
         """The /meshd/shard/1.0.0 handler: serve a stream's frames until it ends (`meshd/hop/stream.py`)."""

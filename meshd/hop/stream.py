@@ -18,6 +18,7 @@ from dataclasses import replace
 import structlog
 import trio
 
+from meshd.hop.admission import busy
 from meshd.hop.intake import Intake
 from meshd.hop.scheduler import Work
 from meshd.node.log import get_logger
@@ -45,9 +46,7 @@ async def serve_shard_stream(service, stream, intake: Intake | None = None) -> N
     intake = intake or DEFAULT_INTAKE
     channel = intake.channel(stream)
     if intake.streams[channel.peer] >= intake.streams_per_peer:
-        await _refuse(channel, Error(code=ErrorCode.BUSY, retriable=True, retry_after_s=1.0,
-                                     message=f"busy: this peer holds {intake.streams_per_peer} shard streams here,"
-                                             " the limit"))
+        await _refuse(channel, busy(f"busy: this peer holds {intake.streams_per_peer} shard streams here, the limit"))
         return
     intake.streams[channel.peer] += 1
     opened: set[tuple[bytes, int]] = set()

@@ -3,7 +3,8 @@
 Rules: a cache is keyed by (session id, epoch) and holds only this shard's layers; it grows as
 positions arrive (never reserved at max length up front); every byte is charged to the store's
 budget, and growth past it evicts expired sessions first, then fails with `KVBudgetExceeded`.
-A lookup of an unknown or evicted session raises `CacheMiss`, never returns something empty.
+A lookup of an unknown or evicted session raises `CacheMiss`, never returns something empty. Whoever
+opened a session hears of its eviction (`on_evict`), whichever call evicted it, after the store's lock is let go.
 Layers that attend over a sliding window (Gemma 3) keep only what their window and a window of rollback
 need: their KV stays bounded by about three windows plus the pass in flight, however long the session.
 An ended session's KV may be kept (`keep`) and copied into a new session that extends the same tokens
@@ -153,6 +154,7 @@ class KVStore:
         self._sessions: dict[Hashable, SessionKV] = {}
         self.kept = PrefixIndex(prefix_ttl_s, clock)  # ended sessions' KV (0 TTL: none kept)
         self._lock = threading.RLock()
+        self.on_evict: Callable[[list[Hashable]], None] | None = None  # told the keys of sessions it evicted
 
     def empty(self, cap: int, n_layers: int | None = None) -> torch.Tensor:
         n_layers = self.n_layers if n_layers is None else n_layers
@@ -260,7 +262,12 @@ class KVStore:
         self._free(kept.value)
 
     def evict_expired(self) -> list[Hashable]:
-        """Release sessions idle past the TTL (their keys) and kept KV idle past its own."""
+        """Release sessions idle past the TTL (their keys, told to `on_evict`) and kept KV idle past its own."""
+        expired = self._expire()
+        self._told(expired)
+        return expired
+
+    def _expire(self) -> list[Hashable]:
         with self._lock:
             now = self.clock()
             expired = [k for k, kv in self._sessions.items() if now - kv.last_used > self.ttl_s]
@@ -269,6 +276,10 @@ class KVStore:
             for kept in self.kept.expired():
                 self._free(kept.value)
             return expired
+
+    def _told(self, evicted: list[Hashable]) -> None:
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
 
     @property
     def live_bytes(self) -> int:
@@ -298,16 +309,22 @@ class KVStore:
         return [k for _, k in sorted(quiet, key=lambda item: item[0])]
 
     def charge(self, kv: SessionKV, delta: int) -> None:
-        with self._lock:
-            self._make_room(delta)
-            if self.used_bytes + delta > self.budget_bytes:
-                self.evict_expired()
-            if self.used_bytes + delta > self.budget_bytes:
-                raise KVBudgetExceeded(f"KV budget of {self.budget_bytes} bytes is full"
-                                       f" ({self.used_bytes} used, {delta} more asked)")
-            if kv.key not in self._sessions:
-                raise CacheMiss(f"session {kv.key!r} was released while growing")
-            self.used_bytes += delta
+        """Count `delta` more bytes of `kv`'s; past the budget, kept KV goes first, then sessions idle past
+        the TTL (evicted, and told to `on_evict`), else KVBudgetExceeded."""
+        evicted: list[Hashable] = []
+        try:
+            with self._lock:
+                self._make_room(delta)
+                if self.used_bytes + delta > self.budget_bytes:
+                    evicted = self._expire()
+                if self.used_bytes + delta > self.budget_bytes:
+                    raise KVBudgetExceeded(f"KV budget of {self.budget_bytes} bytes is full"
+                                           f" ({self.used_bytes} used, {delta} more asked)")
+                if kv.key not in self._sessions:
+                    raise CacheMiss(f"session {kv.key!r} was released while growing")
+                self.used_bytes += delta
+        finally:
+            self._told(evicted)
 
     def __len__(self) -> int:
         return len(self._sessions)

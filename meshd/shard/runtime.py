@@ -3,7 +3,9 @@
 Rules: a shard holds only its own tensors (the head adds the embedding, the tail the final norm
 and LM head); the head takes token ids, other shards take hidden states; a non-tail returns the
 unnormalized residual stream, the tail returns logits of the last position. Each session's KV lives
-in the shard's `KVStore` under (session id, epoch).
+in the shard's `KVStore` under (session id, epoch). A session is opened (`open_session`) and ended (`release`,
+`keep`) by whoever runs it (a hop's session table, `meshd/hop/sessions.py`); one the store evicts is
+forgotten here too, and its opener told (`on_evict`), so nothing keeps rows of a session the store dropped.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -84,6 +86,8 @@ class Shard:
         self._sessions: dict[Hashable, OpenedSession] = {}
         self.kv = KVStore(end - start, cfg.n_kv_heads, cfg.head_dim, getattr(torch, recipe.kv_dtype),
                           kv_budget_bytes, kv_ttl_s, prefix_ttl_s=prefix_ttl_s)
+        self.kv.on_evict = self._evicted
+        self.on_evict: list[Callable[[Hashable], None]] = []  # told each session the KV store evicted
         log.info("shard loaded", model=artifact.name, start=start, end=end, recipe=recipe.name,
                  params=self.n_params, weight_mb=round(self.weight_bytes / 1e6, 1), seconds=round(self.load_seconds, 2))
 
@@ -206,11 +210,16 @@ class Shard:
         return self.kv.reuse(key, (owner, opened.start, opened.end, opened.table), hashes)
 
     def evict_expired(self) -> list[Hashable]:
-        """Release sessions idle past the KV TTL (their entry vanished without closing)."""
-        evicted = self.kv.evict_expired()
-        for key in evicted:
+        """Release sessions idle past the KV TTL (their entry vanished without closing); `on_evict` hears of each."""
+        return self.kv.evict_expired()
+
+    def _evicted(self, keys: list[Hashable]) -> None:
+        """The KV store evicted these sessions (idle past the TTL, here or while another grew): forget them, and
+        tell who opened them."""
+        for key in keys:
             self._sessions.pop(key, None)
-        return evicted
+            for listener in list(self.on_evict):
+                listener(key)
 
     def forward(self, key: Hashable, x: torch.Tensor, position: int, kind: str = PASS) -> torch.Tensor:
         """Run this shard's layers for one session on positions [position, position + n).
