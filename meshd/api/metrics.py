@@ -13,7 +13,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from meshd.entry.errors import ended_normally
+from meshd.entry.errors import ending
 from meshd.node.recent import RecentGenerations
 from meshd.p2p.channel import TRAFFIC
 from meshd.wire import ErrorCode, StreamEvent
@@ -84,15 +84,13 @@ class Metrics:
         try:
             stats = await run(req, timed)
         except BaseException as exc:
-            ended = ended_normally(exc)  # e.g. the HTTP API cut the answer at a stop sequence
-            code = getattr(exc, "code", None)
-            self.recent.record({"tokens": streamed}, "ok" if ended else str(code or "cancelled"), first,
-                               time.perf_counter() - t0)
-            if ended:
+            end = ending(exc)  # completed also when e.g. the HTTP API cut the answer at a stop sequence
+            self.recent.record({"tokens": streamed}, end.reason, first, time.perf_counter() - t0)
+            if end.outcome == "completed":
                 self.finished.inc()
                 raise
-            self.failed.labels(str(code) if code else "cancelled").inc()
-            if code == ErrorCode.HOP_FAILED:
+            self.failed.labels(end.reason).inc()
+            if end.reason == ErrorCode.HOP_FAILED:
                 self.hop_failures.inc()
             raise
         self.recent.record(stats, "ok", first, time.perf_counter() - t0)

@@ -304,3 +304,17 @@ class Attempt:
                     raise HopFailed(stalled, f"no answer within {timeout:.1f} s")
         finally:
             self.generation.wait_s += time.perf_counter() - t0
+
+
+async def first_token(at: Attempt, extra=()) -> int:
+    """The prompt through the route (on a longrope model's long table, with the tokens generated before it took
+    over), then (after a reroute) the tokens so far: the token after them (`extra` tensors go with the last
+    replayed frame: a sketch request)."""
+    gen = at.generation
+    prefill, fed_back, start = gen.prefill_ids, gen.fed_back, gen.start_at
+    if start >= len(prefill):  # the route holds the prompt and some generated tokens (a hand-over's KV)
+        return await at.replay(fed_back[start - len(prefill):], start, extra)
+    token = await at.prefill(prefill, start)  # from what every session of the route holds already
+    if fed_back:  # a replay after rerouting feeds back what was generated
+        token = await at.replay(fed_back, len(prefill), extra)
+    return token

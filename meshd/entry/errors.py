@@ -1,10 +1,12 @@
 """How a generation fails: a hop that failed or is full (`HopFailed`), or the generation itself
-(`GenerationError`, with the wire's error code the client gets); and how a try at it ends on purpose
-to start again (`SwitchTable`, `Moved`)."""
+(`GenerationError`, with the wire's error code the client gets); and the one rule for how a generation
+ended (`ending`), which the ledger, the metrics and the dashboard use alike. A try that ends on purpose
+to start again (past the RoPE table's switch, a hop that left, routes that disagreed) says so with its
+event (`meshd/entry/stages.py`), not with an exception."""
 
 from __future__ import annotations
 
-import trio
+from dataclasses import dataclass
 
 from meshd.wire import Error, ErrorCode
 
@@ -34,17 +36,34 @@ def hop_error(peer_id: str, err: Error, retriable: bool = False) -> HopFailed:
                      retriable=retriable or err.retriable or err.code == ErrorCode.UNKNOWN_SESSION)
 
 
-def outcome_of(exc: BaseException | None) -> str:
-    """How a generation that raised `exc` (None: returned) ended, for the ledger: completed (also a
-    stop sequence's cut), cancelled (the client went away, or the daemon stopped it), or failed."""
+@dataclass(frozen=True)
+class Ending:
+    """How a generation ended: its outcome (the ledger's word, and the stage it ends in: `meshd/entry/stages.py`)
+    and the reason metrics and the dashboard show ("ok", the error code the client got, or "cancelled")."""
+
+    outcome: str  # completed / cancelled / failed
+    reason: str
+
+
+def ending(exc: BaseException | None) -> Ending:
+    """The one rule for how a generation that raised `exc` (None: returned) ended: completed (also when a stop
+    sequence cut it on purpose), failed when the mesh said why (a `GenerationError`'s code, a hop that failed), and
+    cancelled otherwise (the client went away, the daemon stopped it, or it was cut off without a code)."""
     if exc is None or ended_normally(exc):
-        return "completed"
+        return Ending("completed", "ok")
     if isinstance(exc, BaseExceptionGroup):
         inner = first_of(exc)
         exc = inner if inner is not exc else exc.exceptions[0]
-    if isinstance(exc, (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, KeyboardInterrupt)):
-        return "cancelled"
-    return "failed"
+    if isinstance(exc, GenerationError):
+        return Ending("failed", str(exc.code))
+    if isinstance(exc, HopFailed):
+        return Ending("failed", str(ErrorCode.HOP_FAILED))
+    return Ending("cancelled", "cancelled")
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """The ledger's word for how a generation that raised `exc` ended (see `ending`)."""
+    return ending(exc).outcome
 
 
 def first_of(group: BaseExceptionGroup) -> BaseException:
@@ -52,7 +71,7 @@ def first_of(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             exc = first_of(exc)
-        if isinstance(exc, (HopFailed, GenerationError, RoutesDisagree, SwitchTable, Moved)):
+        if isinstance(exc, (HopFailed, GenerationError)):
             return exc
     return group
 
@@ -63,40 +82,3 @@ def ended_normally(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return any(ended_normally(e) for e in exc.exceptions)
     return getattr(exc, "ends_generation_normally", False)
-
-
-class RoutesDisagree(RuntimeError):
-    """The two routes of a checked generation gave different tokens after the same accepted ones:
-    neither token reaches the client until a third route settles which route is wrong."""
-
-    def __init__(self, position: int, routes: tuple[list, list], tokens: tuple[int, int], hops=(),
-                 sketches: tuple[dict, dict] | None = None, seed: int = 0):
-        self.position, self.routes, self.tokens = position, routes, tokens
-        self.hops = tuple(hops)  # the routes' planned `Hop`s (addresses), to build trial routes from
-        self.sketches, self.seed = sketches, seed  # each route's hops' sketches of the step (meshd/hop/sketch.py)
-        super().__init__(f"routes disagree at generated token {position}: {tokens[0]} against {tokens[1]}")
-
-
-class SwitchTable(Exception):
-    """A generation's sequence grew past its longrope model's short RoPE table: the try ends, its sessions
-    are released, and the next try opens them on the long table and computes the sequence anew
-    (`meshd/entry/state.py`). Not a failure: nothing is retried or blamed."""
-
-    def __init__(self, length: int, switch: int):
-        self.length, self.switch = length, switch
-        super().__init__(f"the sequence of {length} positions is past the short RoPE table's {switch}")
-
-
-class Moved(Exception):
-    """A hop of the route leaves on purpose (`Leaving`): the try ends at a step boundary, and the next one goes
-    over `route`, the same hops but the leaving one's replica, which holds the KV it handed over
-    (`meshd/hop/handover.py`): only the positions since are computed. With `route` None the hand-over failed
-    (`reason`), and the next try is planned without the leaving hop and replays. Not a failure of any hop."""
-
-    def __init__(self, peer_id: str, route=None, positions: int = 0, reason: str = "", tried: bool = True):
-        self.peer_id, self.route, self.positions, self.reason = peer_id, route, positions, reason
-        self.tried = tried  # a hand-over was tried (False: replaying was as cheap, under a block computed)
-        self.channels: dict = {}  # the streams of the hops that stay, each carrying its old session's Close before
-        # the next try's OpenSession (so the KV it keeps is there to start from: meshd/entry/opening.py)
-        super().__init__(f"hop {peer_id[-8:]} leaves: " + (f"{positions} positions handed over" if route is not None
-                                                           else f"hand-over failed ({reason})"))

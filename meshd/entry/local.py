@@ -3,7 +3,8 @@
 Rule: every hop goes through `meshd.wire` bytes exactly as it would over a stream, so a split run
 here exercises the same codec and endpoint code as the mesh; the generation's limits, stop tokens,
 RoPE table (a longrope model's long one past its switch: the sessions open again and compute the
-sequence anew, as the mesh's entry does) and stats are the entry's own (`meshd/entry/state.py`).
+sequence anew, as the mesh's entry does), decode rule (`Generation.take`), stages and stats are the
+entry's own (`meshd/entry/state.py`, `meshd/entry/stages.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
+from meshd.entry.stages import Event
 from meshd.entry.state import Generation, open_session
 from meshd.hop.endpoint import ShardEndpoint, token_frame
 from meshd.node.log import get_logger
@@ -77,19 +79,21 @@ class LocalPipeline:
         sid, epoch = os.urandom(16), 0
         try:
             reply = self._open(gen, sid, epoch, sampling)
-            while not gen.done:
+            while True:
                 assert isinstance(reply, Token), reply
-                yield reply.token_id
-                if gen.accept(reply.token_id):
+                taken, event = gen.take([reply.token_id])  # the entry's decode rule (meshd/entry/state.py)
+                if event is not None:
+                    gen.course.to(event)
+                yield from taken
+                if event is Event.DONE:
                     return
-                if gen.past_switch:  # the sessions open again on the long table and compute the sequence anew
+                if event is Event.SWITCHED:  # the sessions open again on the long table and compute the sequence anew
                     self._close(sid, epoch)
                     sid = os.urandom(16)
                     reply = self._open(gen, sid, epoch, sampling)
                     continue
-                position = len(gen.ids) + len(gen.tokens) - 1
-                reply = self._through(token_frame(sid, epoch, len(gen.tokens), Phase.DECODE, position,
-                                                  [reply.token_id]))
+                reply = self._through(token_frame(sid, epoch, len(gen.tokens), Phase.DECODE, gen.position,
+                                                  [gen.tokens[-1]]))
         finally:
             self._close(sid, epoch)
 

@@ -24,7 +24,7 @@ import trio
 from meshd.entry.affinity import Affinity
 from meshd.entry.attempt import Attempt, LinkErrors
 from meshd.entry.checks import Exclusions
-from meshd.entry.errors import GenerationError, HopFailed, Moved, hop_error
+from meshd.entry.errors import GenerationError, HopFailed, hop_error
 from meshd.entry.microbatch import Microbatches
 from meshd.entry.policy import Suspects
 from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around, replaced, route_along
@@ -41,6 +41,23 @@ HANDOVER_WAIT_S = 20.0  # the longest an entry waits for a leaving hop's KV to r
 HANDOVER_ROUNDS = 3  # rounds of a hand-over: the KV so far, then what was computed meanwhile
 CATCH_UP_MIN = 2 * prefix.BLOCK  # positions worth another round (fewer: the new route computes them)
 log = get_logger(__name__)
+
+
+class Moved:
+    """A hop of the route leaves on purpose (`Leaving`): the try ends at a step boundary, and the next one goes
+    over `route`, the same hops but the leaving one's replica, which holds the KV it handed over
+    (`meshd/hop/handover.py`): only the positions since are computed. With `route` None the hand-over failed
+    (`reason`), and the next try is planned without the leaving hop and replays. Not a failure of any hop."""
+
+    def __init__(self, peer_id: str, route=None, positions: int = 0, reason: str = "", tried: bool = True):
+        self.peer_id, self.route, self.positions, self.reason = peer_id, route, positions, reason
+        self.tried = tried  # a hand-over was tried (False: replaying was as cheap, under a block computed)
+        self.channels: dict = {}  # the streams of the hops that stay, each carrying its old session's Close before
+        # the next try's OpenSession (so the KV it keeps is there to start from: meshd/entry/opening.py)
+
+    def __str__(self) -> str:
+        handed = f"{self.positions} positions handed over" if self.route is not None else None
+        return f"hop {self.peer_id[-8:]} leaves: " + (handed or f"hand-over failed ({self.reason})")
 
 
 class Routes:

@@ -105,7 +105,7 @@ class Retries:
         self.reroutes += 1
 
     def left(self, peer: str) -> None:
-        """A hop left on purpose (`meshd/entry/errors.py`, `Moved`): later routes go without it, and it is no failure."""
+        """A hop left on purpose (`meshd/entry/opening.py`, `Moved`): later routes go without it, and it is no failure."""
         self.epoch += 1
         self.failed.add(peer)
 

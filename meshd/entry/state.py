@@ -7,8 +7,11 @@ longer one with its long table from position 0 (`meshd/shard/rope.py`), as trans
 already longer opens on the long table, and a generation that grows past the switch is opened again on
 the long table and computes its whole sequence anew as a prefill, then samples on (`past_switch`).
 
-Rule: the mesh's entry (`meshd/entry/generation.py`) and `meshd local` (`meshd/entry/local.py`) both
-run a generation through this record, so the two agree on limits, stop tokens and stats.
+Rule: the mesh's entry (`meshd/entry/generation.py`, its checked generations in `meshd/entry/lockstep.py`)
+and `meshd local` (`meshd/entry/local.py`) all run a generation through this record, so they agree on
+limits, stop tokens and stats; and every one of them decodes by `take`, the one decode loop's rule (which
+tokens a step's answer adds, and whether the generation is done, must open its sessions again on the long
+table, or takes another step), and moves its `course` (`meshd/entry/stages.py`) by what `take` says.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from meshd.entry.checks import Check
 from meshd.entry.drafts import Drafts
 from meshd.entry.errors import GenerationError
+from meshd.entry.stages import Course, Event
 from meshd.shard import prefix, rope
 from meshd.shard.grammar import Constraint, GrammarError
 from meshd.shard.sampler import SamplingParams
@@ -63,6 +67,7 @@ class Generation:
     start_at: int = 0  # positions the current route started with (kept or handed-over KV): it computes from there
     handovers: int = 0  # routes switched because a hop left, its KV handed over (meshd/hop/handover.py)
     handover_fallbacks: int = 0  # ... and those whose hand-over failed: replayed on a route without it
+    course: Course = field(default_factory=Course, compare=False)  # its stage (meshd/entry/stages.py)
 
     @classmethod
     def start(cls, ids: list[int], requested: int, max_positions: int, stop: frozenset[int] = frozenset(),
@@ -81,6 +86,25 @@ class Generation:
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_tokens or bool(self.tokens and self.tokens[-1] in self.stop)
+
+    @property
+    def position(self) -> int:
+        """The last accepted token's position: the next decode step feeds that token there."""
+        return len(self.ids) + len(self.tokens) - 1
+
+    def take(self, tokens: list[int]) -> tuple[list[int], Event | None]:
+        """Take the tokens a step answered, in order, while the generation may take more: those taken (their
+        text goes to the client), and what ends the try: `Event.DONE` (the last one it may take was taken, or it
+        was done already), `Event.SWITCHED` (its sequence is past a longrope model's short table: the sessions
+        must open again on the long one, computing it anew), or None (the next decode step, at `position`)."""
+        taken: list[int] = []
+        if self.done:
+            return taken, Event.DONE
+        for token in tokens:
+            taken.append(token)
+            if self.accept(token):
+                return taken, Event.DONE
+        return taken, Event.SWITCHED if self.past_switch else None
 
     @property
     def rope_table(self) -> int:
