@@ -6,13 +6,19 @@ when the daemon stops; it speaks meshd.wire frames: `StatusRequest` gets one "st
 one "done" or "error". A client that goes away cancels its generation, which releases the KV on
 every hop. A daemon without layer 0 forwards generation
 requests to an entry it finds in the coverage map.
+
+The server knows its daemon only through `Controls`, the few things it asks of it, and keeps the
+counts it changes itself (generations running, forwarded answers not yet out): a drain reads `idle`.
 """
 
 from __future__ import annotations
 
 import os
 import socket as stdlib_socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import structlog
 import trio
@@ -29,9 +35,41 @@ REQUEST_TIMEOUT = 30.0
 log = get_logger(__name__)
 
 
+class Stage(Protocol):
+    """Where the daemon stands, as far as requests care (meshd/node/lifecycle.py's `Lifecycle`)."""
+
+    @property
+    def accepts_generations(self) -> bool: ...
+    @property
+    def takes_new_work(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Controls:
+    """What the control socket asks of its daemon, and nothing more (meshd/node/daemon.py fills it in)."""
+
+    stage: Stage
+    status: Callable[[], dict]
+    ledger_totals: Callable[[float | None, str | None], dict]
+    drain: Callable[[str, float | None], Awaitable[None]]  # reason, timeout (None: as long as it takes)
+    stop: Callable[[str], None]  # thread-safe: the daemon drains and leaves
+    drain_timeout_s: float
+    observe: Callable[..., Awaitable[dict]]  # counts and times one generation (meshd/api/metrics.py)
+    entry: Callable[[], Any]  # the entry that runs generations here now (None: no layer 0 here)
+    choose_entry: Callable[..., Any]  # where a generation this daemon cannot run is handed (policy.choose_entry)
+    open_stream: Callable[..., Awaitable[Any]]
+
+
 class ControlServer:
-    def __init__(self, daemon, path: Path) -> None:
-        self.daemon, self.path = daemon, Path(path)
+    def __init__(self, controls: Controls, path: Path) -> None:
+        self.controls, self.path = controls, Path(path)
+        self.generations = 0  # generations running or forwarded from here now
+        self.answering = 0  # generations other daemons forwarded here whose answer is not yet out
+
+    @property
+    def idle(self) -> bool:
+        """No generation runs here and every forwarded answer is out (what a drain waits for)."""
+        return self.generations == 0 and self.answering == 0
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,11 +109,11 @@ class ControlServer:
         try:
             msg = await channel.receive(REQUEST_TIMEOUT)
             if isinstance(msg, StatusRequest):
-                await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=self.daemon.status()))
+                await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=self.controls.status()))
             elif isinstance(msg, DrainRequest):
                 await self._drain(channel, msg)
             elif isinstance(msg, LedgerRequest):
-                totals = await trio.to_thread.run_sync(self.daemon.ledger.totals, msg.since or None, msg.peer or None)
+                totals = await trio.to_thread.run_sync(self.controls.ledger_totals, msg.since or None, msg.peer or None)
                 await channel.send(StreamEvent(request_id=msg.request_id, kind="ledger", stats=totals))
             elif isinstance(msg, GenerateRequest):
                 await self._generate_for(channel, msg, watch_client=True)
@@ -100,19 +138,19 @@ class ControlServer:
 
     async def _drain(self, channel: Channel, msg: DrainRequest) -> None:
         """Drain (and with `exit`, then stop); answers with the status once nothing runs here."""
-        d = self.daemon
-        if not d.lifecycle.accepts_generations:
-            await channel.send(error_event(msg.request_id, ErrorCode.BUSY, f"this daemon is {d.lifecycle}, not serving"))
+        c = self.controls
+        if not c.stage.accepts_generations:
+            await channel.send(error_event(msg.request_id, ErrorCode.BUSY, f"this daemon is {c.stage}, not serving"))
             return
         if msg.exit:
-            d.stopping.request("meshctl drain --exit")
-        await d.drain("meshctl drain", d.settings.drain_timeout if msg.exit else None)
-        await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=d.status()))
+            c.stop("meshctl drain --exit")
+        await c.drain("meshctl drain", c.drain_timeout_s if msg.exit else None)
+        await channel.send(StreamEvent(request_id=msg.request_id, kind="status", stats=c.status()))
 
     async def serve_remote_generate(self, stream) -> None:
         """/meshd/gen/1.0.0: another daemon forwards its client's request to this entry."""
         channel = Channel.over_libp2p(stream, str(GEN_PROTOCOL))
-        self.daemon.answering += 1  # a drain waits for the answer to be out, not only computed
+        self.answering += 1  # a drain waits for the answer to be out, not only computed
         try:
             msg = await channel.receive(REQUEST_TIMEOUT)
             if isinstance(msg, GenerateRequest):
@@ -124,7 +162,7 @@ class ControlServer:
         finally:
             with trio.CancelScope(shield=True):
                 await channel.aclose()
-            self.daemon.answering -= 1
+            self.answering -= 1
 
     async def _generate_for(self, channel: Channel, req: GenerateRequest, watch_client: bool) -> None:
         """Run (or forward) one generation, streaming events; cancelled if the client goes away."""
@@ -160,20 +198,20 @@ class ControlServer:
     async def generate(self, req: GenerateRequest, emit) -> dict:
         """Run this daemon's part of one generation, or forward it to an entry; counted in metrics.
         Every front door (this socket, forwarded requests, HTTP) comes through here."""
-        return await self.daemon.metrics.observe_generation(self._generate, req, emit)
+        return await self.controls.observe(self._generate, req, emit)
 
     async def _generate(self, req: GenerateRequest, emit) -> dict:
-        d = self.daemon
-        if not d.lifecycle.accepts_generations:
-            raise GenerationError(ErrorCode.BUSY, f"this daemon is {d.lifecycle}, not serving yet")
-        d.active_generations += 1
+        c = self.controls
+        if not c.stage.accepts_generations:
+            raise GenerationError(ErrorCode.BUSY, f"this daemon is {c.stage}, not serving yet")
+        self.generations += 1
         try:
-            entry = d.entry
-            if entry is not None and d.lifecycle.takes_new_work:  # a draining entry passes new work on
+            entry = c.entry()
+            if entry is not None and c.stage.takes_new_work:  # a draining entry passes new work on
                 return await entry.generate(req, emit)
-            return await hand_off(req, emit, d.choose_entry, d.dialer.open_stream)
+            return await hand_off(req, emit, c.choose_entry, c.open_stream)
         finally:
-            d.active_generations -= 1
+            self.generations -= 1
 
 
 def error_event(request_id: int, code: str, message: str) -> StreamEvent:

@@ -6,14 +6,17 @@ socket, so forwarding to a remote entry, rerouting and KV release behave alike; 
 hold tool calls is split into text and calls as it streams (`meshd/api/toolcalls.py`). A client that
 disconnects cancels its generation. With a token set, every route but /healthz and the dashboard's
 files (which hold nothing of the mesh; `meshd/api/dashboard.py`) needs `Authorization: Bearer <token>`.
+The app knows its daemon only through `Served`: the model's name and limits, and three live readings.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import secrets
 import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import trio
@@ -35,13 +38,24 @@ class Stopped(Exception):
     ends_generation_normally = True
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the HTTP front door asks of its daemon (meshd/node/daemon.py fills it in)."""
+
+    model: str  # the model's name, as /v1/models and answers give it
+    max_positions: int
+    chat_template: str  # read at start, before a daemon without layer 0 drops its tokenizer's metadata
+    started_at: float  # unix time
+    status: Callable[[], dict]  # what `meshctl status --json` prints
+    state: Callable[[], str]  # "" while it takes new work, else where it stands (draining, ...)
+    gaps: Callable[[], list]  # layer ranges no live daemon serves
+
+
 class HttpApi:
-    def __init__(self, daemon, generate, metrics, token: str = "") -> None:
+    def __init__(self, served: Served, generate, metrics, token: str = "") -> None:
         """`generate(request, emit) -> stats` runs or forwards one generation (the control server's)."""
-        self.daemon, self.generate, self.metrics, self.token = daemon, generate, metrics, token
-        # how the model writes tool calls, from its chat template: read now, before a daemon without layer 0
-        # drops its tokenizer's metadata
-        self.tool_format = structured.tool_format(structured.chat_template(getattr(daemon, "artifact", None)))
+        self.served, self.generate, self.metrics, self.token = served, generate, metrics, token
+        self.tool_format = structured.tool_format(served.chat_template)  # how the model writes tool calls
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -59,14 +73,13 @@ class HttpApi:
             return await self._json(send, 401, openai.error_body("missing or wrong bearer token",
                                                                  "authentication_error", "invalid_api_key"))
         if method == "GET" and path == "/healthz":
-            serving = self.daemon.lifecycle.takes_new_work
-            return await self._json(send, 200 if serving else 503,
-                                    {"status": "ok" if serving else str(self.daemon.lifecycle)})
+            state = self.served.state()
+            return await self._json(send, 503 if state else 200, {"status": state or "ok"})
         if method == "GET" and path == "/metrics":
             body, ctype = self.metrics.exposition()
             return await self._send(send, 200, body, ctype)
         if method == "GET" and path == "/v1/meshd/status":  # what `meshctl status --json` prints
-            return await self._json(send, 200, self.daemon.status(), [(b"cache-control", b"no-store")])
+            return await self._json(send, 200, self.served.status(), [(b"cache-control", b"no-store")])
         if method == "GET" and path == "/v1/models":
             return await self._json(send, 200, self._models())
         if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
@@ -80,21 +93,20 @@ class HttpApi:
         return False
 
     def _models(self) -> dict:
-        st = self.daemon.status()
+        st = self.served.status()
         return {"object": "list", "data": [{
-            "id": st["model"], "object": "model", "created": int(self.daemon.started_at), "owned_by": "meshd",
+            "id": st["model"], "object": "model", "created": int(self.served.started_at), "owned_by": "meshd",
             "meshd": {"route_complete": st["complete"], "uncovered": st["gaps"], "n_layers": st["n_layers"],
                       "recipe": st["recipe"]}}]}
 
     async def _complete(self, receive, send, chat: bool) -> None:
-        d = self.daemon
         try:
             body = await self._body(receive)
-            c = openai.parse_request(body, chat, d.artifact.name, d.artifact.config.max_positions,
+            c = openai.parse_request(body, chat, self.served.model, self.served.max_positions,
                                      secrets.randbits(53) or 1, self.tool_format)
         except openai.BadRequest as exc:
             return await self._json(send, 400, openai.error_body(str(exc), "invalid_request_error"))
-        gaps = d.mesh.coverage.serving().gaps() if d.mesh else []
+        gaps = self.served.gaps()
         if gaps:
             where = ", ".join(f"[{a}, {b})" for a, b in gaps)
             return await self._json(send, 503, openai.error_body(f"no route: layers {where} are not served by any"

@@ -2,13 +2,15 @@
 
 Rules: one registry per daemon (never the process-global one, so tests can run several); names
 follow Prometheus conventions (`meshd_..._total`, `_seconds`, `_bytes`); gauges that mirror state
-(sessions, KV, peers, coverage, traffic) are computed from `daemon.status()` when scraped, so they
-cannot drift from what `meshctl status` shows.
+(sessions, KV, peers, coverage, traffic) are computed from the daemon's status when scraped, so they
+cannot drift from what `meshctl status` shows. The metrics know the daemon only by the two callables
+they read: its status and its work ledger's totals.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,7 +24,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class Metrics:
-    def __init__(self, daemon) -> None:
+    def __init__(self, status: Callable[[], dict], ledger_totals: Callable[[], dict]) -> None:
         r = self.registry = CollectorRegistry()
         self.started = Counter("meshd_generations_started", "Generations asked of this daemon", registry=r)
         self.finished = Counter("meshd_generations_finished", "Generations that ended normally", registry=r)
@@ -48,7 +50,7 @@ class Metrics:
         self.rope_switches = Counter("meshd_rope_switches", "Generations of a longrope model (Phi-3) opened again"
                                      " on its long RoPE table as they grew past its switch", registry=r)
         self.recent = RecentGenerations()  # timings and routes of the last generations, for the dashboard
-        r.register(_Live(daemon))
+        r.register(_Live(status, ledger_totals))
 
     def drafts(self) -> dict:
         """Draft tokens sent and accepted in the generations asked of this daemon (status shows them)."""
@@ -107,13 +109,13 @@ class Metrics:
 
 
 class _Live:
-    """Gauges read from the daemon at scrape time."""
+    """Gauges read from the daemon's status and ledger at scrape time."""
 
-    def __init__(self, daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, status: Callable[[], dict], ledger_totals: Callable[[], dict]) -> None:
+        self.status, self.ledger_totals = status, ledger_totals
 
     def collect(self):
-        st = self.daemon.status()
+        st = self.status()
         gauges = {"meshd_sessions_open": ("Sessions holding KV here", st["sessions"]),
                   "meshd_kv_bytes": ("Bytes of KV held", st["kv_bytes"]),
                   "meshd_weight_bytes": ("Bytes of weights held", st.get("weight_bytes", 0)),
@@ -135,7 +137,7 @@ class _Live:
                                       " does not hold the private mesh's key, since start")
         refused.add_metric([], (st.get("mesh_key") or {}).get("refused", 0))
         yield refused
-        yield from ledger_metrics(self.daemon.ledger.totals())
+        yield from ledger_metrics(self.ledger_totals())
         yield from check_metrics(st.get("checks") or {})
         yield from prefix_metrics(st.get("prefix_cache") or {})
         yield from handover_metrics(st.get("handovers") or {})

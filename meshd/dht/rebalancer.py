@@ -6,10 +6,10 @@ at once when it collides. A serving daemon moves only when the plan has named it
 target in every round for `PERSIST_ROUNDS` rounds and at least one record TTL (a starved peer can
 miss a refresh and look dead for a moment) and still does after a random wait, and then not again
 for `--move-cooldown` seconds (its record says it stays put meanwhile, so the others plan without
-it). A move loads the new range while the old one serves, switches new sessions to it, announces
-it, and frees the old shard once its sessions have finished (at most `--drain-timeout` seconds);
-with `--memory`, both ranges must fit in it for that moment, or the daemon stays (and plans go
-without it until its cooldown ends).
+it). A move loads the new range while the old one serves, then hands it to the daemon, whose
+lifecycle switches new sessions to it, announces it, and lets the old range go through the daemon's
+one drain (`Placed.move_to`); with `--memory`, both ranges must fit in it for that moment, or the
+daemon stays (and plans go without it until its cooldown ends).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ SETTLE_ROUNDS = 6  # re-checks of a claim at most; then it is loaded as it stand
 REBALANCE_PERIOD_S = 2.0
 PERSIST_ROUNDS = 3  # rounds in a row the plan must name this daemon before it moves (and one record TTL)
 MOVE_JITTER_S = (0.0, 2.0)
-DRAIN_POLL_S = 0.2
 AUTO_SETTLE_S = 3.0  # how long a joining node watches the mesh before choosing its layers
 log = get_logger(__name__)
 
@@ -52,16 +51,15 @@ class Placed(Protocol):
     """What the rebalancer needs of its daemon (`meshd/node/daemon.py` implements it)."""
 
     mesh: MeshView
-    settings: object  # move_cooldown, drain_timeout, memory
-    lifecycle: object  # takes_new_work
-    slot: object  # the serving slot: shard.start, shard.end, service
+    settings: object  # move_cooldown, memory
+    lifecycle: object  # may_move
+    slot: object  # the serving slot: shard.start, shard.end
     artifact: object
     recipe: object
 
     def fit(self, start: int, end: int) -> tuple[int, int]: ...
     async def open_range(self, start: int, end: int): ...
-    def switch_to(self, slot): ...
-    def live_fields(self) -> dict: ...
+    async def move_to(self, slot) -> None: ...
     async def forget(self) -> None: ...
 
 
@@ -95,7 +93,7 @@ class Rebalancer:
         persist = Persistence(PERSIST_ROUNDS, self.mesh.ttl_s)
         while True:
             await trio.sleep(REBALANCE_PERIOD_S)
-            if not takes_part(self.daemon.lifecycle.takes_new_work, trio.current_time(), self.cooldown_until):
+            if not takes_part(self.daemon.lifecycle.may_move, trio.current_time(), self.cooldown_until):
                 persist.reset()
                 continue
             if self.mesh.record.auto_layers == 0:  # the cooldown is over: take part in plans again
@@ -107,11 +105,11 @@ class Rebalancer:
             await trio.sleep(random.uniform(*MOVE_JITTER_S))
             await self.mesh.refresh()
             move = own_move(self.mesh.coverage, self.mesh.peer_id)
-            if still_named(move, aim) and self.daemon.lifecycle.takes_new_work:
+            if still_named(move, aim) and self.daemon.lifecycle.may_move:
                 await self.move(move)
 
     async def move(self, move: Move) -> None:
-        """Serve `move.to` instead of this daemon's range: load, switch, announce, then free the old."""
+        """Serve `move.to` instead of this daemon's range: load it here, then the daemon switches to it."""
         d = self.daemon
         start, end = d.fit(*move.to)
         self.moving = move
@@ -128,23 +126,16 @@ class Rebalancer:
             self.moving = None
             await self.mesh.publish(auto_layers=0)  # so that another daemon is named for the gap meanwhile
             return
-        old = d.switch_to(loaded)
-        # new sessions come to the new shard; the old one's are handed over to a replica, or finish there
-        await old.service.retire()
-        await self.mesh.publish(start=start, end=end, serving=True, auto_layers=0, **d.live_fields())
+        if not d.lifecycle.may_move:  # it began leaving while the range loaded: the drain has the old one
+            self.moving = None
+            del loaded
+            await d.forget()
+            return
+        await d.move_to(loaded)  # new sessions come to the new range; the old one's leave it through the drain
         self.last_move = {"from": [move.start, move.end], "to": [start, end], "at": time.time(),
                           "reason": move.reason}
         self.moving = None
         log.info("moved", layers=f"{start}:{end}", was=f"{move.start}:{move.end}", why=move.reason)
-        t0 = time.monotonic()
-        sessions = old.service.endpoint.sessions
-        with trio.move_on_after(d.settings.drain_timeout):
-            while sessions:
-                await trio.sleep(DRAIN_POLL_S)
-        log.info("old range freed", layers=f"{move.start}:{move.end}", left_sessions=len(sessions),
-                 seconds=round(time.monotonic() - t0, 2))
-        del old
-        await d.forget()
 
     def summary(self) -> str:
         """The `moved` line of `meshctl status` ("" before the first move)."""

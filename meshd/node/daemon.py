@@ -2,7 +2,10 @@
 
 Rules: `Daemon` wires the parts together and keeps none of their logic: the lifecycle is
 `meshd/node/lifecycle.py`'s table, the loaded range is one `Slot` (meshd/node/slot.py), placement
-is `meshd/dht/placement.py`, status is `meshd/node/status.py`. trio runs on a second thread with
+is `meshd/dht/placement.py`, status is `meshd/node/status.py`. Each part is handed the few things it
+uses (`Controls`, `Served`, the metrics' two readings, `Observed`), never the daemon, and keeps the
+counts it changes; a daemon leaving and a range left by a move go through the one drain (`_let_go`).
+trio runs on a second thread with
 every background loop in the daemon's nursery; tensor work (loading included) runs on the main
 thread through `ComputeExecutor`, so the host keeps answering while weights load; SIGTERM and
 SIGINT withdraw the record, close sessions and remove the socket before the process exits.
@@ -21,9 +24,10 @@ from pathlib import Path
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.api.control import ControlServer
-from meshd.api.http import HttpApi, check_bind, serve_http
+from meshd.api.control import ControlServer, Controls
+from meshd.api.http import HttpApi, Served, check_bind, serve_http
 from meshd.api.metrics import Metrics
+from meshd.api.structured import chat_template
 from meshd.dht.kad import MeshDHT
 from meshd.dht.placement import fit_range, largest_layer_bytes
 from meshd.dht.rebalancer import Rebalancer, choose_first_range
@@ -42,7 +46,7 @@ from meshd.node.model import open_draft, open_model
 from meshd.node.relaying import Relaying
 from meshd.node.settings import Settings
 from meshd.node.slot import Slot, evict_loop, forget_shard, open_slot
-from meshd.node.status import daemon_status
+from meshd.node.status import Observed, daemon_status
 from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
 from meshd.p2p.pnet import Pnet
@@ -69,10 +73,9 @@ class Daemon:
         self.host = self.mesh = self.reach = None
         self.relaying: Relaying | None = None  # the relay it offers, the reservations it keeps
         self.punch: HolePuncher | None = None  # upgrades relayed connections to direct ones (--hole-punch)
-        self.active_generations = 0
-        self.answering = 0  # forwarded requests whose answer is not yet out (a drain waits for them)
+        self.control: ControlServer | None = None  # the local socket; counts the generations running here
         self.artifact = self.recipe = None
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.status, lambda: self.ledger.totals())
         self.http_addrs: list[str] = []
         self.dialer: Dialer | None = None  # every connection and stream to another peer
         self.ledger = Ledger(None)  # the work ledger (opened in run; this one keeps nothing)
@@ -140,10 +143,10 @@ class Daemon:
         nursery.start_soon(self.reach.run)
         self.relaying = Relaying(s, host, self.reach, self.mesh, self.dialer, on_change=lambda: self.mesh.publish(**self.live_fields()))
         self.relaying.start(nursery)
-        control = ControlServer(self, s.socket_path)
+        control = self.control = ControlServer(self._controls(), s.socket_path)
         await nursery.start(control.serve)
         if s.http:
-            app = HttpApi(self, control.generate, self.metrics, s.bearer_token())
+            app = HttpApi(self._served(), control.generate, self.metrics, s.bearer_token())
             self.http_addrs = await nursery.start(serve_http, app, check_bind(s.http))
             log.info("http api up", addrs=self.http_addrs, token=bool(app.token))
         log.info("daemon up", peer_id=pid, addrs=dialable_addrs(host), socket=str(s.socket_path),
@@ -185,6 +188,20 @@ class Daemon:
         self.host.set_stream_handler(GEN_PROTOCOL, control.serve_remote_generate)
         await self.mesh.publish(serving=True, **self.live_fields())
 
+    def _controls(self) -> Controls:
+        """What the control socket asks of this daemon."""
+        return Controls(stage=self.lifecycle, status=self.status, ledger_totals=lambda *a: self.ledger.totals(*a),
+                        drain=self.drain, stop=self.stopping.request, drain_timeout_s=self.settings.drain_timeout,
+                        observe=self.metrics.observe_generation, entry=lambda: self.entry,
+                        choose_entry=self.choose_entry, open_stream=self.dialer.open_stream)
+
+    def _served(self) -> Served:
+        """What the HTTP API asks of this daemon."""
+        return Served(model=self.artifact.name, max_positions=self.artifact.config.max_positions,
+                      chat_template=chat_template(self.artifact), started_at=self.started_at, status=self.status,
+                      state=lambda: "" if self.lifecycle.takes_new_work else str(self.lifecycle),
+                      gaps=lambda: self.mesh.coverage.serving().gaps() if self.mesh else [])
+
     async def drain(self, reason: str, timeout: float | None = None) -> None:
         """Leave the mesh gently: refuse new sessions from other daemons, withdraw the record (peers
         route around this daemon at once), and wait until no session is open here and no
@@ -195,23 +212,61 @@ class Daemon:
         if self.slot is None or not self.lifecycle.accepts_generations:
             return
         if self.lifecycle.to(State.DRAINING, reason):
-            log.info("draining", reason=reason, sessions=len(self.slot.shard.kv), generations=self.active_generations,
+            log.info("draining", reason=reason, sessions=len(self.slot.shard.kv), generations=self.control.generations,
                      timeout_s=timeout)
             self.mesh.record = replace(self.mesh.record, leaving=True)  # rebalancing plans go without it
             # the entries of the sessions crossing this daemon may move them to a replica at once, their KV
             # handed over (meshd/hop/handover.py); the others finish here, or replay when it leaves. Told
             # first: withdrawing the record may wait on slow peers
-            told = await self.slot.service.retire()
-            if told:
-                log.info("told the entries of sessions here that it leaves", sessions=told)
+            await self._retire(self.slot)
             log.info("withdrawing record")
             await self.mesh.withdraw()
         t0 = time.monotonic()
-        endpoint = self.slot.service.endpoint
+        left = await self._let_go(self.slot, timeout, until_idle=True)
+        log.info("drained", left_sessions=left, seconds=round(time.monotonic() - t0, 2))
+
+    async def move_to(self, slot: Slot) -> None:
+        """A rebalancing move's switch (meshd/dht/rebalancer.py): serve `slot`, loaded by `open_range`, instead
+        of the range served now, and announce it; the daemon is moving until the old range has gone through
+        the one drain (its sessions handed over to a replica, or finished, for at most --drain-timeout
+        seconds) and its memory is free, which runs on in the daemon's nursery."""
+        if not self.lifecycle.to(State.MOVING):
+            raise RuntimeError(f"a daemon that is {self.lifecycle} does not move")
+        old = self.switch_to(slot)
+        await self._retire(old)
+        await self.mesh.publish(start=slot.shard.start, end=slot.shard.end, serving=True, auto_layers=0,
+                                **self.live_fields())
+        self.nursery.start_soon(self._moved_off, old)
+
+    async def _moved_off(self, old: Slot) -> None:
+        """The rest of a move: the old range drained and freed, then serving again."""
+        layers, t0 = f"{old.shard.start}:{old.shard.end}", time.monotonic()
+        try:
+            left = await self._let_go(old, self.settings.drain_timeout)
+            log.info("old range freed", layers=layers, left_sessions=left, seconds=round(time.monotonic() - t0, 2))
+        finally:
+            if self.lifecycle.state == State.MOVING:  # a stop asked meanwhile has moved it on already
+                self.lifecycle.to(State.SERVING)
+        del old
+        await self.forget()
+
+    @staticmethod
+    async def _retire(slot: Slot) -> None:
+        """The slot's service takes no new sessions, and tells the entries of those open that it leaves."""
+        told = await slot.service.retire()
+        if told:
+            log.info("told the entries of sessions here that it leaves", sessions=told,
+                     layers=f"{slot.shard.start}:{slot.shard.end}")
+
+    async def _let_go(self, slot: Slot, timeout: float | None, until_idle: bool = False) -> int:
+        """The one drain: wait until no session is open on `slot` (and with `until_idle`, no generation runs
+        here and every forwarded answer is out), for at most `timeout` seconds (None: as long as that
+        takes). The sessions still open then."""
+        sessions = slot.service.endpoint.sessions
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
-            while len(endpoint.sessions) or self.active_generations or self.answering:
+            while len(sessions) or (until_idle and not self.control.idle):
                 await trio.sleep(DRAIN_POLL_S)
-        log.info("drained", left_sessions=len(endpoint.sessions), seconds=round(time.monotonic() - t0, 2))
+        return len(sessions)
 
     # what the rebalancer asks of its daemon (meshd/dht/rebalancer.py, `Placed`)
 
@@ -273,7 +328,14 @@ class Daemon:
         return choose_entry(self.mesh.coverage.serving().records, dict(self.mesh.latency), self.mesh.peer_id, tried)
 
     def status(self) -> dict:
-        return daemon_status(self)
+        return daemon_status(Observed(
+            lifecycle=self.lifecycle, settings=self.settings, started_at=self.started_at,
+            generations=self.control.generations if self.control else 0, throughput=self.throughput,
+            metrics=self.metrics, compute=self.compute, handover_tally=self.handover_tally,
+            exclusions=self.exclusions, http_addrs=self.http_addrs, host=self.host, mesh=self.mesh, slot=self.slot,
+            artifact=self.artifact, recipe=self.recipe, rebalancer=self.rebalancer, pnet=self.pnet,
+            reach=self.reach, relaying=self.relaying, punch=self.punch, dialer=self.dialer,
+            draft_model=self.draft_model))
 
 
 def run_daemon(settings: Settings) -> int:

@@ -22,6 +22,7 @@ class State(str, Enum):
     CHOOSING = "choosing layers"  # --layers auto: watching the mesh before claiming a range
     LOADING = "loading"  # weights going into memory; the record says not serving yet
     SERVING = "serving"
+    MOVING = "moving layers"  # --layers auto: serving a new range while the old one's sessions leave it
     DRAINING = "draining"  # leaving gently: no new work, open sessions and generations finish
     STOPPING = "stopping"  # the record is withdrawn, the nursery is cancelled
 
@@ -33,7 +34,8 @@ MOVES: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.CHOOSING, State.LOADING, State.SERVING, State.STOPPING}),
     State.CHOOSING: frozenset({State.LOADING, State.SERVING, State.STOPPING}),
     State.LOADING: frozenset({State.SERVING, State.STOPPING}),
-    State.SERVING: frozenset({State.DRAINING, State.STOPPING}),
+    State.SERVING: frozenset({State.MOVING, State.DRAINING, State.STOPPING}),
+    State.MOVING: frozenset({State.SERVING, State.DRAINING, State.STOPPING}),
     State.DRAINING: frozenset({State.STOPPING}),
     State.STOPPING: frozenset(),
 }
@@ -64,11 +66,16 @@ class Lifecycle:
     @property
     def accepts_generations(self) -> bool:
         """Generation requests are taken (a draining daemon still forwards them to another entry)."""
-        return self.state in (State.SERVING, State.DRAINING)
+        return self.state in (State.SERVING, State.MOVING, State.DRAINING)
 
     @property
     def takes_new_work(self) -> bool:
-        """New sessions, new generations run here, moves of layers: only while plainly serving."""
+        """New sessions, new generations run here: while serving (a moving daemon serves its new range)."""
+        return self.state in (State.SERVING, State.MOVING)
+
+    @property
+    def may_move(self) -> bool:
+        """A move of layers may begin: only while plainly serving."""
         return self.state == State.SERVING
 
     @property

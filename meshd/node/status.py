@@ -1,15 +1,46 @@
 """`meshctl status`'s answer: one dict of where a daemon stands, read off its parts (the lifecycle,
-the loaded slot, the mesh view, the relays). Nothing here changes anything."""
+the loaded slot, the mesh view, the relays). Nothing here changes anything; the daemon hands in its
+parts as they are at that moment (`Observed`: a part not there yet is None), never itself."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from meshd.p2p.host import dialable_addrs
 from meshd.shard.footprint import owned_artifact_bytes, rss_bytes
 
 
-def daemon_status(d) -> dict:
+@dataclass(frozen=True)
+class Observed:
+    """The parts a status is read from (meshd/node/daemon.py's, at the moment it is asked)."""
+
+    lifecycle: Any  # meshd/node/lifecycle.py's Lifecycle
+    settings: Any  # max_sessions, speculate, draft_max, verify_rate
+    started_at: float
+    generations: int  # running or forwarded from here now (the control socket's count)
+    throughput: float
+    metrics: Any  # meshd/api/metrics.py's Metrics: recent generations, drafts
+    compute: Any  # meshd/node/compute.py's ComputeExecutor
+    handover_tally: Any  # meshd/hop/handover.py's Tally
+    exclusions: Any  # meshd/entry/checks.py's Exclusions
+    http_addrs: list[str]
+    host: Any = None
+    mesh: Any = None  # meshd/dht/view.py's MeshView
+    slot: Any = None  # meshd/node/slot.py's Slot
+    artifact: Any = None
+    recipe: Any = None
+    rebalancer: Any = None
+    pnet: Any = None
+    reach: Any = None
+    relaying: Any = None
+    punch: Any = None
+    dialer: Any = None
+    draft_model: Any = None
+
+
+def daemon_status(d: Observed) -> dict:
     cov = d.mesh.coverage if d.mesh else None
     rec = d.mesh.record if d.mesh else None
     serving = cov.serving() if cov else None
@@ -29,7 +60,7 @@ def daemon_status(d) -> dict:
         "sessions": len(slot.shard.kv) if slot else 0,
         "kv_bytes": slot.shard.kv.live_bytes if slot else 0,  # open sessions' (kept KV: prefix_cache's held_bytes)
         "prefix_cache": slot.shard.kv.kept_summary() if slot else None,
-        "generations": d.active_generations,
+        "generations": d.generations,
         "uptime_s": round(time.time() - d.started_at, 1),
         "throughput": round(d.throughput, 1),
         "load_s": round(slot.shard.load_seconds, 2) if slot else None,
@@ -37,7 +68,7 @@ def daemon_status(d) -> dict:
         "file_bytes": owned_artifact_bytes(d.artifact, slot.shard.start, slot.shard.end) if slot else 0,
         "rss_bytes": rss_bytes(),
         "http": d.http_addrs,
-        "mesh_key": d.pnet.summary() if getattr(d, "pnet", None) else {"private": False},
+        "mesh_key": d.pnet.summary() if d.pnet else {"private": False},
         "reachability": d.reach.summary() if d.reach else None,
         "relay": {**(d.relaying.summary() if d.relaying else {"service": None, "client": None}),
                   "hole_punch": d.punch.summary() if d.punch else None,
@@ -69,16 +100,14 @@ def daemon_status(d) -> dict:
     }
 
 
-def check_status(d) -> dict:
+def check_status(d: Observed) -> dict:
     """Checked generations: the rate, how many ran and disagreed here, the peers excluded now and why."""
     entry = d.slot.entry if d.slot else None
-    exclusions = getattr(d, "exclusions", None)
     return {"verify_rate": d.settings.verify_rate, "checked": entry.checked if entry else 0,
-            "disagreed": entry.disagreed if entry else 0,
-            "excluded": exclusions.listing(time.monotonic()) if exclusions is not None else []}
+            "disagreed": entry.disagreed if entry else 0, "excluded": d.exclusions.listing(time.monotonic())}
 
 
-def handover_status(d) -> dict:
+def handover_status(d: Observed) -> dict:
     """Hand-overs (meshd/hop/handover.py): as a hop, sessions' KV sent and received whole, failed, refused;
     as an entry, routes moved off a leaving hop with its KV, and those replayed because the hand-over failed."""
     entry = d.slot.entry if d.slot else None
