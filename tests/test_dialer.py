@@ -7,10 +7,9 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from meshd.p2p.addrs import strip_peer, with_peer
+from meshd.p2p.addrs import circuit_addr, strip_peer, with_peer
 from meshd.p2p.connections import is_connected, live_connections, relayed_peers
 from meshd.p2p.dialer import DIAL_STAGGER_S, PROTECT_TAG, Dialer, circuit_rank
-from meshd.relay.policy import circuit_addr
 from meshd.testing.fakehost import FakeHost, fake_id
 from meshd.wire.protocols import SHARD_PROTOCOL
 
@@ -58,7 +57,7 @@ def test_only_open_connections_count_and_a_peer_is_relayed_when_all_of_them_are(
 # ---- the dialler on an in-memory host ----
 
 def make(host, latency=None, known=None) -> Dialer:
-    return Dialer(host, latency=lambda: latency or {}, known=lambda: known or {}, circuit=host.circuit)
+    return Dialer(host, host.circuit, latency=lambda: latency or {}, known=lambda: known or {})
 
 
 async def test_sixteen_sessions_opening_at_once_dial_the_peer_once(autojump_clock):

@@ -25,7 +25,8 @@ from meshd.p2p.swarmkey import SwarmKey, SwarmKeyError, fingerprint, format_swar
     read_swarm_key, write_new_swarm_key
 from meshd.p2p.xsalsa20 import XSalsa20, hsalsa20
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit, dial_circuit, reserve
-from meshd.relay.policy import RelayLimits, circuit_addr
+from meshd.relay.policy import RelayLimits
+from meshd.p2p.addrs import circuit_addr
 from meshd.relay.reachability import dial_fresh
 from meshd.testing.fakes import raw_conn_pair
 

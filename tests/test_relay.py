@@ -14,7 +14,8 @@ from meshd.p2p.connections import is_relayed
 from meshd.p2p.host import connect, dialable_addrs, full_addrs, interface_ipv4s, open_host
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayRefused, RelayService, accept_circuit, \
     dial_circuit, reserve
-from meshd.relay.policy import RelayLedger, RelayLimits, circuit_addr, parse_circuit, split_addrs
+from meshd.relay.policy import RelayLedger, RelayLimits
+from meshd.p2p.addrs import circuit_addr, parse_circuit, split_addrs
 
 ECHO = TProtocol("/meshd-test/echo/1.0.0")
 R = "12D3KooWRelay"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from meshd.dht.coverage import CoverageMap
-from meshd.relay.policy import relay_of
+from meshd.p2p.addrs import relay_of
 
 DEFAULT_THROUGHPUT = 500.0  # layer-steps per second assumed for a peer that advertises none
 DEFAULT_LATENCY = 0.005  # seconds per hop assumed for a link never measured

@@ -50,6 +50,7 @@ from meshd.node.status import Observed, daemon_status
 from meshd.p2p.dialer import Dialer
 from meshd.p2p.host import dialable_addrs, load_or_create_identity, open_host
 from meshd.p2p.pnet import Pnet
+from meshd.relay.circuit import dial_circuit
 from meshd.relay.punch import HolePuncher
 from meshd.relay.reachability import DIALBACK_PROTOCOL, Reachability
 from meshd.shard.footprint import pin_heap_thresholds
@@ -102,7 +103,8 @@ class Daemon:
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
         async with open_host(key_pair, s.listen, self.pnet) as host:
             self.host = host
-            self.dialer = Dialer(host, latency=lambda: self.mesh.latency if self.mesh is not None else {},
+            self.dialer = Dialer(host, dial_circuit,
+                                 latency=lambda: self.mesh.latency if self.mesh is not None else {},
                                  known=lambda: self.mesh.known if self.mesh is not None else {})
             dht = MeshDHT(host)
             self.punch = HolePuncher(host, busy_protocols=(SHARD_PROTOCOL, GEN_PROTOCOL)) if s.hole_punch else None

@@ -7,7 +7,8 @@ connections); a peer with circuit addresses is tried every way at once, staggere
 hold a connection to, then the nearest (`circuit_rank`, pure); a peer we dial for sessions is
 protected from py-libp2p's per-peer trimming; a stream on a connection py-libp2p has just closed
 is tried once more on a fresh one; a stream a connected peer does not answer within NEGOTIATE_S fails. The mesh is seen only through two callables (`latency()`,
-`known()`), so this module knows nothing of records or the daemon.
+`known()`), and relays through the `circuit` dialler it is handed, so this module knows nothing of
+records, the relay protocol or the daemon.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from meshd.p2p.addrs import strip_peer
+from meshd.p2p.addrs import is_circuit, parse_circuit, relay_of, split_addrs, strip_peer
 from meshd.p2p.channel import Channel
 from meshd.p2p.connections import forget_failed_dials, is_connected, relayed_peers
 from meshd.p2p.race import race
-from meshd.relay.circuit import dial_circuit
-from meshd.relay.policy import is_circuit, parse_circuit, relay_of, split_addrs
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 DIAL_STAGGER_S = 1.0  # a peer with circuit addresses: the next way is tried after this (or a failure)
@@ -46,11 +45,12 @@ def circuit_rank(addr: str, connected: set[str], latency: Mapping[str, float]) -
 
 
 class Dialer:
-    def __init__(self, host, latency: Callable[[], Mapping[str, float]] = dict,
-                 known: Callable[[], Mapping] = dict, circuit=dial_circuit) -> None:
-        """`latency()`: peer id -> measured round trip (seconds); `known()`: peer id -> its record
-        (anything with `addrs` and `relay_addrs`), the peers of this mesh; `circuit(host, addr)`: a
-        connection through the (connected) relay a circuit address names."""
+    def __init__(self, host, circuit, latency: Callable[[], Mapping[str, float]] = dict,
+                 known: Callable[[], Mapping] = dict) -> None:
+        """`circuit(host, addr)`: a connection through the (connected) relay a circuit address names (the
+        relay room's `dial_circuit`, handed in so that p2p, below the relay, imports nothing of it);
+        `latency()`: peer id -> measured round trip (seconds); `known()`: peer id -> its record (anything
+        with `addrs` and `relay_addrs`), the peers of this mesh."""
         self.host = host
         self.latency, self.known, self.circuit = latency, known, circuit
         self._locks: dict[str, trio.Lock] = {}

@@ -23,7 +23,7 @@ from libp2p.peer.id import ID
 from meshd.node.log import get_logger
 from meshd.relay.circuit import Reserved, reserve
 from meshd.p2p.connections import is_connected
-from meshd.relay.policy import circuit_addr, is_circuit
+from meshd.p2p.addrs import circuit_addr, is_circuit
 
 TICK_S = 1.0
 CHECK_S = 5.0  # a held relay is asked again this often: one that stopped answering (frozen) is dropped

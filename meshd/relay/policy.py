@@ -7,7 +7,7 @@ while others keep theirs; each circuit carries at most `circuit_bytes` (both dir
 for at most `circuit_s` seconds, then it is cut. Defaults are sized for meshd's traffic: a
 generation moves ~1-2 KB per token per hop (SmolLM2, bfloat16), so a 1 GiB circuit carries hundreds
 of thousands of tokens; a circuit that is cut costs its sessions a reroute, not their output.
-Addresses: a circuit address is `<relay addr>/p2p/<relay>/p2p-circuit/p2p/<peer>`.
+Circuit addresses are read and written by meshd/p2p/addrs.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from meshd.p2p.addrs import CIRCUIT, strip_peer
 
 
 @dataclass(frozen=True)
@@ -108,38 +107,3 @@ class RelayLedger:
     def _refuse(self, reason: str) -> str:
         self.refused[reason] += 1
         return reason
-
-
-def is_circuit(addr: str) -> bool:
-    return CIRCUIT in addr
-
-
-def circuit_addr(relay_addr: str, relay_id: str, peer_id: str) -> str:
-    """The address at which `peer_id` is reached through the relay dialled at `relay_addr`."""
-    return f"{strip_peer(relay_addr)}/p2p/{relay_id}{CIRCUIT}/p2p/{peer_id}"
-
-
-def parse_circuit(addr: str) -> tuple[str, str, str]:
-    """(relay address with /p2p/<relay>, relay id, peer id) of a circuit address; ValueError if it is not one."""
-    head, sep, tail = addr.partition(CIRCUIT)
-    if not sep or "/p2p/" not in head or not tail.startswith("/p2p/"):
-        raise ValueError(f"not a circuit address: {addr!r}")
-    relay_id = head.rsplit("/p2p/", 1)[1]
-    peer_id = tail[len("/p2p/"):]
-    if not relay_id or not peer_id or "/" in relay_id or "/" in peer_id:
-        raise ValueError(f"not a circuit address: {addr!r}")
-    return head, relay_id, peer_id
-
-
-def relay_of(addr: str) -> str | None:
-    """The relay a circuit address goes through, or None when it is not a well-formed one."""
-    try:
-        return parse_circuit(addr)[1]
-    except ValueError:
-        return None
-
-
-def split_addrs(addrs) -> tuple[list[str], list[str]]:
-    """(direct addresses, circuit addresses)."""
-    direct = [a for a in addrs if not is_circuit(a)]
-    return direct, [a for a in addrs if is_circuit(a)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.peer.id import ID
 
-from meshd.relay.policy import parse_circuit
+from meshd.p2p.addrs import parse_circuit
 
 
 def fake_id(name: str) -> ID:
