@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from meshd.cli.ctl import Connection, fetch_status, new_request_id
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 from meshd.testing.cgroup import open_cpu_cgroup
 from meshd.wire import GenerateRequest
 

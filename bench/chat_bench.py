@@ -40,7 +40,7 @@ from meshd.node.settings import default_cache_dir
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import load_tokenizer
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 from meshd.wire import GenerateRequest
 
 DOCUMENT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"

@@ -18,7 +18,7 @@ import time
 
 import trio
 
-from meshd.node.log import setup_logging
+from meshd.core.log import setup_logging
 from meshd.testing.dhtnet import open_swarm, run_all
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from spec_bench import open_setup, warm_up  # bench/spec_bench.py, beside this script
 
 from meshd.shard import blocks
-from meshd.testing.localmesh import ctl
+from meshd.cli.localmesh import ctl
 from meshd.testing.netns import TestbedUnavailable
 
 S = {"type": "string"}

@@ -29,7 +29,7 @@ from common import cpu_flags, median
 
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import load_tokenizer
-from meshd.testing.localmesh import Mesh, free_port, read_rest
+from meshd.cli.localmesh import Mesh, free_port, read_rest
 
 PROMPT = "Write a long essay on the history of shipbuilding, from the first dugout canoes to container ships."
 AFTER = 100  # tokens generated after the disruption

@@ -16,7 +16,7 @@ import json
 import statistics
 
 from meshd.testing.hostile_run import honest_generation, run_attack
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 HIDDEN = 576
 

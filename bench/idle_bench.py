@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 TICK = os.sysconf("SC_CLK_TCK")
 

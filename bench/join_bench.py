@@ -16,7 +16,7 @@ import json
 import signal
 import time
 
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 
 def wait_all(daemons, predicate, timeout: float, what: str) -> None:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from meshd.shard.artifact import open_artifact
 from meshd.shard.reference import load_reference
 from meshd.shard.tokenizer import load_tokenizer

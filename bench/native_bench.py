@@ -205,7 +205,7 @@ def worker_transformers(model: str, prompts: list[list[int]], n: int) -> dict:
 
 
 def worker_daemon(model: str, texts: list[str], n: int) -> dict:
-    from meshd.testing.localmesh import Mesh, ctl
+    from meshd.cli.localmesh import Mesh, ctl
     from meshd.shard.artifact import open_artifact
     from meshd.shard.tokenizer import load_tokenizer
 

@@ -29,7 +29,7 @@ from meshd.p2p.host import connect, full_addrs, open_host
 from meshd.p2p.pnet import Pnet
 from meshd.p2p.swarmkey import SwarmKey, write_new_swarm_key
 from meshd.p2p.xsalsa20 import XSalsa20
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 SINK = TProtocol("/meshd-bench/sink/1.0.0")
 RANGES = [(0, 10), (10, 20), (20, 30)]

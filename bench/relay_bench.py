@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from meshd.testing.localmesh import Mesh, read_rest
+from meshd.cli.localmesh import Mesh, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed
 from meshd.testing.netswitch import LinkSpec

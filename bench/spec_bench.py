@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from meshd.shard import blocks
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 PASSAGE = ("Meshd runs a large language model split across ordinary machines. Each machine runs one daemon that "

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 RANGES = [(0, 10), (10, 20), (10, 20), (20, 30), (20, 30)]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",

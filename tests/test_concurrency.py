@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from meshd.cli.ctl import EXIT_BUSY
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
@@ -72,7 +72,7 @@ def test_eight_concurrent_generations_equal_their_solo_text(mesh):
     assert max(d.status()["batches"]["largest_batch"] for d in mesh.daemons) >= 2
     assert a.status()["microbatches"] == []  # every generation gave its microbatch back
     no_kv_anywhere(mesh)
-    # a healthy mesh logs no errors (py-libp2p's identify race after a dial-back used to: meshd/node/log.py)
+    # a healthy mesh logs no errors (py-libp2p's identify race after a dial-back used to: meshd/core/log.py)
     assert {d.name: d.error_lines() for d in mesh.daemons} == {d.name: [] for d in mesh.daemons}
 
 

@@ -27,7 +27,7 @@ async def ask(path, msg):
 async def test_an_unexpected_failure_of_one_request_is_answered_and_the_socket_serves_on(tmp_path):
     path = tmp_path / "s.sock"
     async with trio.open_nursery() as nursery:
-        await nursery.start(ControlServer(FakeDaemon(generate=buggy), path).serve)
+        await nursery.start(ControlServer(FakeDaemon(generate=buggy).controls(), path).serve)
         reply = await ask(path, GenerateRequest(request_id=1, prompt="hi"))
         assert reply.kind == "error" and reply.stats["code"] == "internal" and "a bug in one generation" in reply.text
         status = await ask(path, StatusRequest(request_id=2))

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshd.api import dashboard
 from meshd.api.http import HttpApi
 from meshd.api.metrics import Metrics
-from meshd.node.recent import RecentGenerations
+from meshd.api.recent import RecentGenerations
 from meshd.testing.fakes import FakeDaemon
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from meshd.wire import StreamEvent
 
 TOKEN = "t0ken"
@@ -40,7 +40,7 @@ def test_a_failed_generation_and_a_malformed_route_are_recorded_without_breaking
 
 
 async def test_metrics_record_each_generation_through_the_front_door():
-    metrics, seen = Metrics(FakeDaemon()), []
+    metrics, seen = FakeDaemon().metrics, []
 
     async def run(req, emit):
         await emit(StreamEvent(request_id=1, kind="text", text="Hello"))
@@ -63,7 +63,7 @@ async def test_metrics_record_each_generation_through_the_front_door():
 
 
 async def test_a_text_that_brings_several_tokens_counts_a_gap_for_each():
-    metrics = Metrics(FakeDaemon())
+    metrics = FakeDaemon().metrics
 
     async def run(req, emit):  # the second text holds tokens 2 to 4 (tokens 2 and 3 added no text)
         await emit(StreamEvent(request_id=1, kind="text", text="He", stats={"tokens": 1, "prompt_tokens": 3}))
@@ -93,7 +93,7 @@ def scrape(metrics: Metrics) -> dict:
 async def test_metrics_show_the_prefix_cache_and_the_prompt_tokens_reused():
     cache = {"entries": 2, "held_bytes": 4096, "held_tokens": 64, "hits": 3, "misses": 1, "tokens_reused": 96,
              "evictions": 1, "ttl_s": 600.0}
-    metrics = Metrics(scraped_daemon(cache))
+    metrics = scraped_daemon(cache).metrics
 
     async def run(req, emit):
         return {"tokens": 4, "prompt_tokens": 40, "cached_tokens": 32}
@@ -110,7 +110,7 @@ async def test_metrics_show_the_prefix_cache_and_the_prompt_tokens_reused():
         "meshd_prefix_hits_total": 3, "meshd_prefix_misses_total": 1, "meshd_prefix_tokens_reused_total": 96,
         "meshd_prefix_evictions_total": 1}
     assert got["meshd_prompt_tokens_total"] == 40 and got["meshd_prompt_tokens_cached_total"] == 32
-    bare = scrape(Metrics(scraped_daemon(None)))  # a daemon without layers keeps nothing
+    bare = scrape(scraped_daemon(None).metrics)  # a daemon without layers keeps nothing
     assert bare["meshd_prefix_kept_entries"] == 0 and bare["meshd_prefix_hits_total"] == 0
 
 
@@ -146,7 +146,7 @@ async def call(app, path, headers=()):
 
 
 async def test_the_page_is_open_but_the_status_needs_the_token():
-    app = HttpApi(api_daemon(), generate=None, metrics=None, token=TOKEN)
+    app = HttpApi(api_daemon().served(), generate=None, metrics=None, token=TOKEN)
     status, headers, body = await call(app, "/")
     assert status == 200 and headers[b"content-type"].startswith(b"text/html")
     assert b"connect-src 'self'" in headers[b"content-security-policy"] and b"12D3KooW" not in body
@@ -159,7 +159,7 @@ async def test_the_page_is_open_but_the_status_needs_the_token():
 
 
 async def test_without_a_token_the_status_is_open():
-    app = HttpApi(api_daemon(), generate=None, metrics=None)
+    app = HttpApi(api_daemon().served(), generate=None, metrics=None)
     status, _, body = await call(app, "/v1/meshd/status/")
     assert status == 200 and json.loads(body)["peer_id"] == "12D3KooWsecretpeer"
     status, headers, _ = await call(app, "/dashboard.js")
@@ -195,6 +195,6 @@ def test_a_real_daemon_serves_the_page_and_its_status_behind_the_token():
 
 def test_metrics_show_hand_overs():
     handovers = {"sent": 2, "received": 1, "failed": 1, "refused": 3, "positions": 640, "moved": 4, "replayed": 1}
-    got = scrape(Metrics(scraped_daemon(None, handovers)))
+    got = scrape(scraped_daemon(None, handovers).metrics)
     assert {k: got[f"meshd_handover_{k}_total"] for k in handovers} == handovers
-    assert scrape(Metrics(scraped_daemon(None)))["meshd_handover_sent_total"] == 0
+    assert scrape(scraped_daemon(None).metrics)["meshd_handover_sent_total"] == 0

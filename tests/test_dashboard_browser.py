@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")

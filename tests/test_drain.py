@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time"

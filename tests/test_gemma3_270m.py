@@ -16,7 +16,7 @@ from meshd.shard.recipe import EXACT, NATIVE
 from meshd.shard.reference import load_reference, reference_greedy
 from meshd.shard.runtime import Shard
 from meshd.shard.tokenizer import TextStream, load_tokenizer
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from tests.test_shard_tiny import split_run
 
 pytestmark = pytest.mark.slow

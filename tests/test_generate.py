@@ -13,7 +13,7 @@ import pytest
 from meshd.shard.artifact import open_artifact
 from meshd.shard.reference import load_reference, reference_greedy
 from meshd.shard.tokenizer import load_tokenizer
-from meshd.testing.localmesh import Mesh, ctl, read_rest
+from meshd.cli.localmesh import Mesh, ctl, read_rest
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]

@@ -13,7 +13,7 @@ import pytest
 
 from meshd.testing.claims import claims_wrap
 from meshd.testing.dying import CRASH_CODE, dying_wrap
-from meshd.testing.localmesh import Mesh, ctl, read_rest
+from meshd.cli.localmesh import Mesh, ctl, read_rest
 
 pytestmark = pytest.mark.slow
 PROMPT = "The history of the printing press"

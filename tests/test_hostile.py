@@ -7,7 +7,7 @@ the longest echo, the honest times) are in `bench/hostile_bench.py`'s table; her
 import pytest
 
 from meshd.testing.hostile_run import honest_generation, run_attack
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 pytestmark = pytest.mark.slow
 MB = 1 << 20

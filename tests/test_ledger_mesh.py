@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 PROMPT = "The capital of France is"
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 SCRIPT = """
-from meshd.node.log import setup_logging
+from meshd.core.log import setup_logging
 setup_logging("INFO", json=True)
 from libp2p.kad_dht import kad_dht  # imported after the setup, as the daemon does
 kad_dht.logger.warning("Failed to read DHT message from stream: ")
@@ -39,7 +39,7 @@ def failed_stream(protocols: list[str]) -> str:
 
 
 RACE = f"""
-from meshd.node.log import setup_logging
+from meshd.core.log import setup_logging
 setup_logging("INFO", json=True)
 import logging
 from libp2p.host import basic_host
@@ -69,7 +69,7 @@ def run_race(env_level=None) -> list[str]:
 
 def test_the_identify_race_is_not_an_error_but_a_failed_meshd_stream_is():
     """py-libp2p's background identify of a connection that is closing, and Yamux's read loop under a
-    hung-up connection, log ERROR lines for nothing meshd asked for (meshd/node/log.py says how that was
+    hung-up connection, log ERROR lines for nothing meshd asked for (meshd/core/log.py says how that was
     established): they go to DEBUG and INFO; other errors stay errors."""
     shard_fails = ["ERROR libp2p.host.basic_host: Failed to open stream to peer 12D3KooWPeer:"] * 2
     bad_frame = "ERROR libp2p.stream_muxer.yamux.yamux: Error in handle_incoming for peer 12D3KooWPeer: ValueError: bad frame"

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from meshd.shard import footprint
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import NATIVE

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 GAP_BOUND_S = 8 + 1 + 3.5 + 3.5  # record TTL (8 s in tests) + coverage interval + round timeout + slack

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import TextStream, load_tokenizer
 from tests import tiny_models

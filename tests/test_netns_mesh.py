@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from meshd.testing.netns import open_testbed, unavailable_reason
 
 pytestmark = [pytest.mark.slow,

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import trio
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Tell me a story about a dragon", "List three fruits and their colours."]

@@ -119,7 +119,7 @@ async def post(app, body: dict) -> list[dict]:
 async def test_the_usage_tells_the_cached_prompt_tokens_whole_streamed_or_cut_at_a_stop(stream, stop):
     daemon = FakeDaemon(artifact=FakeArtifact(name=MODEL, config=FakeConfig(max_positions=2048)))
     done = {"tokens": 2, "prompt_tokens": 40, "cached_tokens": 32, "route": []}  # the entry's own stats
-    app = HttpApi(daemon, made_up_generate(done), metrics=None)
+    app = HttpApi(daemon.served(), made_up_generate(done), metrics=None)
     body = {"messages": [{"role": "user", "content": "Hi"}], "stream": stream, "stop": stop, "max_tokens": 8}
     usage = (await post(app, body))[-1]["usage"]  # cut at a stop, the first text's figures make it
     assert usage["prompt_tokens"] == 40 and usage["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -9,7 +9,7 @@ import torch
 
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import TextStream, load_tokenizer
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from tests import tiny_models
 
 pytestmark = pytest.mark.slow

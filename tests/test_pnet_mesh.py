@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.p2p.swarmkey import write_new_swarm_key
-from meshd.testing.localmesh import Mesh, ctl, local_text
+from meshd.cli.localmesh import Mesh, ctl, local_text
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from meshd.p2p.swarmkey import write_new_swarm_key
-from meshd.testing.localmesh import Mesh, ctl, local_text
+from meshd.cli.localmesh import Mesh, ctl, local_text
 from meshd.testing.natmesh import PORT, covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshd.dht.rebalance import Move, Persistence
+from meshd.dht.moves import Move, Persistence
 from meshd.entry.errors import GenerationError, HopFailed
 from meshd.entry.policy import Retries, choose_entry
 from meshd.entry.route import NoRoute, plan_around
@@ -201,7 +201,7 @@ def head_slot(end: int):
 def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on():
     """The daemon moved from [0, 10) to [0, 20) while a generation ran on [0, 10): its reroute must
     plan [10, 30) on the old slot's service, not [20, 30) against a shard it never opened."""
-    from meshd.node.compute import ComputeExecutor
+    from meshd.core.compute import ComputeExecutor
     from meshd.node.daemon import Daemon
     from meshd.node.settings import Settings
 

@@ -15,7 +15,7 @@ from meshd.cli.ctl import new_request_id, stream_answer
 from meshd.shard.artifact import open_artifact
 from meshd.shard.prefix import BLOCK
 from meshd.shard.tokenizer import encode_messages, load_tokenizer
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 from meshd.wire import GenerateRequest
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshd.dht.coverage import CoverageMap, choose_range
-from meshd.dht.rebalance import own_move, plan_moves, target
+from meshd.dht.moves import own_move, plan_moves, target
 from meshd.dht.record import CoverageRecord, best_index, first_seq, sign_record
 from meshd.testing.fakes import FakeDaemon, FakeMesh
 

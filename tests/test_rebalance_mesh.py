@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 pytestmark = pytest.mark.slow
 ENV = {"MESHD_RECORD_TTL": "8", "MESHD_MOVE_COOLDOWN": "30"}

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl, local_text, read_rest
+from meshd.cli.localmesh import Mesh, ctl, local_text, read_rest
 from meshd.testing.natmesh import covered_through_relays, start_nat_mesh
 from meshd.testing.netns import open_testbed, unavailable_reason
 from meshd.testing.netswitch import LinkSpec

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import trio
 
-from meshd.node.compute import ComputeExecutor
+from meshd.core.compute import ComputeExecutor
 from meshd.hop import service as service_module
 from meshd.hop.service import RUN_AHEAD, ShardService
 from meshd.shard.artifact import open_artifact

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 from tests.test_generate import disrupted_run
 
 pytestmark = pytest.mark.slow

@@ -331,7 +331,7 @@ def made_up_generate(text: str, tokens: int, finish: str | None = None, seen: li
 def app_for(generate, template: str = "") -> HttpApi:
     artifact = FakeArtifact(name=MODEL, config=FakeConfig(max_positions=2048),
                             metadata={"tokenizer.chat_template": template})
-    return HttpApi(FakeDaemon(artifact=artifact), generate, metrics=None)
+    return HttpApi(FakeDaemon(artifact=artifact).served(), generate, metrics=None)
 
 
 def assembled(chunks: list[dict]) -> dict:

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from meshd.testing.localmesh import Mesh, read_rest
+from meshd.cli.localmesh import Mesh, read_rest
 
 pytestmark = pytest.mark.slow
 # schemas of the kinds agents send (nested objects, enums, integer ranges, arrays, required), not written for meshd's

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from meshd.testing.liar import liar_wrap
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

@@ -26,7 +26,7 @@ import trio
 from meshd.entry.errors import GenerationError
 from meshd.entry.handoff import hand_off
 from meshd.wire.protocols import GEN_PROTOCOL
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import (DrainRequest, ErrorCode, GenerateRequest, LedgerRequest, StatusRequest, StreamEvent,
                         WireError)

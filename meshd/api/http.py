@@ -25,7 +25,7 @@ from hypercorn.trio import serve
 
 from meshd.api import dashboard, openai, structured, toolcalls
 from meshd.entry.errors import GenerationError, ended_normally
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.wire import ErrorCode, StreamEvent
 
 MAX_BODY = 1 << 20

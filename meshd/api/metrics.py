@@ -15,8 +15,8 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from meshd.api.recent import RecentGenerations
 from meshd.entry.errors import ending
-from meshd.node.recent import RecentGenerations
 from meshd.p2p.channel import TRAFFIC
 from meshd.wire import ErrorCode, StreamEvent
 

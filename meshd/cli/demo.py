@@ -1,7 +1,7 @@
 """`meshd demo`: three daemons on loopback split SmolLM2, then a streamed generation through them.
 
 Rule: the demo is what a newcomer runs first, so it uses only the public commands (`meshd join`,
-`meshctl`) through the same process helper the tests use (`meshd.testing.localmesh`), shows what happens,
+`meshctl`) through the same process helper the tests use (`meshd.cli.localmesh`), shows what happens,
 and stops every process it started, by PID, whatever happens.
 """
 
@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from meshd.testing.localmesh import Mesh, ctl
+from meshd.cli.localmesh import Mesh, ctl
 
 SPLIT = [(0, 10), (10, 20), (20, 30)]
 

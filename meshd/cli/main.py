@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshd.node.log import setup_logging
+from meshd.core.log import setup_logging
 from meshd.node.settings import RECIPES, add_flags, default, flags_given, load_settings
 
 # the settings of the parts below the node (kernel, wire) that `meshd local` takes as a daemon does

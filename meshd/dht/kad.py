@@ -26,7 +26,7 @@ from meshd.dht.kadclient import KadClient
 from meshd.dht.lookup import ALPHA, K, Lookup, key_point, peer_point
 from meshd.dht.record import NAMESPACE
 from meshd.dht.validator import CoverageValidator
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 
 QUERY_TIMEOUT = 2.0  # one question to one peer, dial included
 WALK_TIMEOUT = 6.0  # one walk; whatever answered by then is the result

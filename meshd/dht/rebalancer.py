@@ -1,6 +1,6 @@
 """An auto daemon's side of rebalancing: settle a fresh claim, then move when the plan says so.
 
-Rules: the decisions are `meshd.dht.rebalance`'s pure plan; this module only times and applies
+Rules: the decisions are `meshd.dht.moves`'s pure plan; this module only times and applies
 them. A claim (layers chosen, nothing loaded) is re-checked after a short random delay and moved
 at once when it collides. A serving daemon moves only when the plan has named it with the same
 target in every round for `PERSIST_ROUNDS` rounds and at least one record TTL (a starved peer can
@@ -21,9 +21,9 @@ from typing import Protocol
 import trio
 
 from meshd.dht.placement import place
-from meshd.dht.rebalance import Move, Persistence, own_move, still_named, takes_part
+from meshd.dht.moves import Move, Persistence, own_move, still_named, takes_part
 from meshd.dht.view import MeshView
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.shard.footprint import MemoryRefused, weight_bytes
 
 SETTLE_S = (0.5, 2.0)  # random wait before re-checking a fresh claim

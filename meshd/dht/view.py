@@ -20,9 +20,9 @@ from libp2p.peer.id import ID
 
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.kad import KadWalker
-from meshd.dht.records import LOOKUP_TIMEOUT, RecordReader
+from meshd.dht.pull import LOOKUP_TIMEOUT, RecordReader
 from meshd.dht.record import CoverageRecord, bump, needs_pull, record_key, republish_every, sign_record
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 
 COVERAGE_INTERVAL = 1.0  # a round that reads only pushed records costs no network traffic
 ROUND_TIMEOUT = 3.5  # one refresh round; stragglers are cancelled and asked again next round

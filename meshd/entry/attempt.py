@@ -23,7 +23,7 @@ import trio
 from meshd.entry.errors import GenerationError, HopFailed, hop_error
 from meshd.entry.state import Generation
 from meshd.hop.endpoint import token_frame
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import (Error, ErrorCode, Forward, HandedOver, Heartbeat, Leaving, Message, Phase, Token, WireError,
                         chunk_spans)

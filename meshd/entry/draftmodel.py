@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import get_recipe
 from meshd.shard.runtime import Shard

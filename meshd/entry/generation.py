@@ -43,7 +43,7 @@ from meshd.entry.route import Route
 from meshd.entry.run import Emit, Run
 from meshd.entry.stages import Event, Stage
 from meshd.entry.state import Generation, stop_ids
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.shard import grammar, rope
 from meshd.shard.sampler import SamplingParams
 from meshd.shard.tokenizer import TextStream, encode_messages, encode_prompt

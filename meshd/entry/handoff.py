@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 import trio
 
 from meshd.entry.errors import GenerationError
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import ErrorCode, GenerateRequest, StreamEvent, WireError
 from meshd.wire.protocols import GEN_PROTOCOL

@@ -15,7 +15,7 @@ from typing import Iterator
 from meshd.entry.stages import Event
 from meshd.entry.state import Generation, open_session
 from meshd.hop.endpoint import ShardEndpoint, token_frame
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.shard import rope
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import Recipe, get_recipe

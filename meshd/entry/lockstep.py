@@ -34,7 +34,7 @@ from meshd.entry.route import Route
 from meshd.entry.run import Run
 from meshd.entry.stages import Event
 from meshd.hop import sketch
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.wire import ErrorCode, Phase
 
 log = get_logger(__name__)

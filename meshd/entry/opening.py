@@ -29,7 +29,7 @@ from meshd.entry.microbatch import Microbatches
 from meshd.entry.policy import Suspects
 from meshd.entry.route import Hop, NoRoute, Route, link_latency, plan_around, replaced, route_along
 from meshd.entry.state import Generation, open_session
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard import prefix
 from meshd.wire import AcceptKV, Close, Error, ErrorCode, HandOver, Heartbeat, Opened, WireError

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import ChannelClosed
 from meshd.shard import prefix
 from meshd.wire import AcceptKV, HandedOver, HandOver, KVChunk, Tensor

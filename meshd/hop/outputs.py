@@ -15,7 +15,7 @@ import trio
 
 from meshd.hop.links import Links, NextHops
 from meshd.hop.sessions import SessionTable
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import Error, ErrorCode, Message, OpenSession
 

@@ -35,13 +35,13 @@ from meshd.hop.passes import PassStats, local_tokens, route_outputs
 from meshd.hop.scheduler import QueueFull, Scheduler, Work
 from meshd.hop.sessions import HopSession
 from meshd.hop.stream import serve_shard_stream
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.wire import (Cancel, Close, Error, ErrorCode, Forward, HandedOver, HandOver, Leaving, Message, OpenSession,
                         Opened, Phase, Token)
 
 if TYPE_CHECKING:
-    from meshd.node.compute import ComputeExecutor
+    from meshd.core.compute import ComputeExecutor
 
 log = get_logger(__name__)
 RUN_STEP = Work(key=None, rows=1, decode=True)  # how a step of a decode run counts in the pass stats

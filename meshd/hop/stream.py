@@ -21,7 +21,7 @@ import trio
 from meshd.hop.admission import busy
 from meshd.hop.intake import Intake
 from meshd.hop.scheduler import Work
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.budget import Held
 from meshd.p2p.channel import Channel, ChannelClosed, FrameStalled
 from meshd.wire import (Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message, OpenSession,

@@ -37,11 +37,11 @@ from meshd.entry.generation import Entry
 from meshd.entry.policy import choose_entry
 from meshd.hop.handover import Tally
 from meshd.hop.stream import serve_shard_stream
-from meshd.node.compute import ComputeExecutor
+from meshd.core.compute import ComputeExecutor
 from meshd.entry.checks import Exclusions
 from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State, StopRequest
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.node.model import open_draft, open_model
 from meshd.node.relaying import Relaying
 from meshd.node.settings import Settings

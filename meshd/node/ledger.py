@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 
 log = get_logger(__name__)
 DAY_S = 86400.0

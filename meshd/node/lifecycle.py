@@ -12,7 +12,7 @@ from enum import Enum
 
 import trio
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -12,8 +12,8 @@ import os
 
 import trio
 
-from meshd.node.compute import ComputeExecutor
-from meshd.node.log import get_logger
+from meshd.core.compute import ComputeExecutor
+from meshd.core.log import get_logger
 from meshd.node.settings import Settings
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact

@@ -15,7 +15,7 @@ from meshd.entry.generation import Entry
 from meshd.hop.endpoint import ShardEndpoint
 from meshd.hop.scheduler import Scheduler
 from meshd.hop.service import ShardService
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.shard.footprint import check_fits, trim_heap
 from meshd.shard.runtime import Shard
 

@@ -22,7 +22,7 @@ class Observed:
     generations: int  # running or forwarded from here now (the control socket's count)
     throughput: float
     metrics: Any  # meshd/api/metrics.py's Metrics: recent generations, drafts
-    compute: Any  # meshd/node/compute.py's ComputeExecutor
+    compute: Any  # meshd/core/compute.py's ComputeExecutor
     handover_tally: Any  # meshd/hop/handover.py's Tally
     exclusions: Any  # meshd/entry/checks.py's Exclusions
     http_addrs: list[str]

@@ -32,7 +32,7 @@ DIAL_ATTEMPT_S = 8.0  # one way to a peer (direct, or through one relay)
 NEGOTIATE_S = 5.0  # opening a stream on a connection held already: a peer that does not answer by then is
 # frozen (SIGSTOP, a hung event loop), and its streams would wait for it as long as it stays so
 PROTECT_TAG = "meshd-sessions"
-log = structlog.get_logger(__name__)  # (meshd.node.log's get_logger is this; p2p/ does not import node/)
+log = structlog.get_logger(__name__)  # (meshd.core.log's get_logger is this; p2p/ does not import node/)
 
 
 def circuit_rank(addr: str, connected: set[str], latency: Mapping[str, float]) -> tuple:

@@ -26,7 +26,7 @@ from libp2p.abc import IRawConnection
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.swarmkey import SwarmKey
 from meshd.p2p.xsalsa20 import NONCE_SIZE, XSalsa20
 

@@ -26,7 +26,7 @@ from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, PeerId, Re
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.addrs import circuit_addr, parse_circuit, with_peer
 from meshd.p2p.connections import is_connected, is_relayed
 from meshd.relay.policy import RelayLedger, RelayLimits

@@ -20,7 +20,7 @@ from typing import Mapping
 import trio
 from libp2p.peer.id import ID
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.relay.circuit import Reserved, reserve
 from meshd.p2p.connections import is_connected
 from meshd.p2p.addrs import circuit_addr, is_circuit

@@ -23,7 +23,7 @@ import time
 import trio
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, RELAY_CLOSE_GRACE_PERIOD, DCUtRProtocol
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.connections import is_relayed, live_connections
 
 DIAL_TIMEOUT = 2

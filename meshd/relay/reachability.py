@@ -24,7 +24,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.p2p.host import connect, full_addrs, open_host
 from meshd.p2p.addrs import strip_peer, with_peer
 from meshd.p2p.connections import is_relayed

@@ -17,7 +17,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from meshd.node.log import get_logger
+from meshd.core.log import get_logger
 from meshd.shard import gemma3, gpt2, llama, mixtral, phi3, qwen3, rope
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap

@@ -1,7 +1,7 @@
 """Nodes that come and go, publish records, choose and change their layers: meshd's own rules, timed.
 
 Rules: every decision is the daemon's own pure function (`meshd.dht.placement.place_span`,
-`meshd.dht.rebalance.plan_moves` with `Persistence`, `takes_part` and `still_named`, the record's
+`meshd.dht.moves.plan_moves` with `Persistence`, `takes_part` and `still_named`, the record's
 `bump`/`republish_every`/expiry, `CoverageMap.build`, `Settings.layers_wanted`, the relay client's
 `relay_candidates`/`choose_relays` and the relay's `RelayLedger`); this module only times them as the
 daemon's loops do (`meshd.dht.rebalancer`'s constants), on simulated time. Every node reads one
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.placement import fit_span, place_span
-from meshd.dht.rebalance import Move, Persistence, plan_moves, still_named, takes_part
+from meshd.dht.moves import Move, Persistence, plan_moves, still_named, takes_part
 from meshd.dht.rebalancer import (AUTO_SETTLE_S, MOVE_JITTER_S, PERSIST_ROUNDS, REBALANCE_PERIOD_S, SETTLE_ROUNDS,
                                   SETTLE_S)
 from meshd.dht.record import CoverageRecord, bump, republish_every

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshd.testing.churn_report import entry_events, report
-from meshd.testing.localmesh import DaemonProc, Mesh, free_port, read_rest
+from meshd.cli.localmesh import DaemonProc, Mesh, free_port, read_rest
 
 # Ordinary prompts, of the kind anyone types first; none was chosen for how it behaves under churn.
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",

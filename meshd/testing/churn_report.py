@@ -15,7 +15,7 @@ DOWN = {"kill": "down (SIGKILL)", "term": "down (SIGTERM)", "stop": "frozen"}
 
 if TYPE_CHECKING:
     from meshd.testing.churn import Fault, Outcome, SoakPlan
-    from meshd.testing.localmesh import DaemonProc
+    from meshd.cli.localmesh import DaemonProc
 
 
 def entry_events(entry: DaemonProc) -> Counter:

@@ -13,7 +13,7 @@ import sys
 
 
 def claims_wrap(factor: float) -> list[str]:
-    """The command prefix that makes a daemon started by `meshd.testing.localmesh` claim `factor` times its speed."""
+    """The command prefix that makes a daemon started by `meshd.cli.localmesh` claim `factor` times its speed."""
     return [sys.executable, "-m", "meshd.testing.claims", "--factor", str(factor), "--"]
 
 

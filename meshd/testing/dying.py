@@ -14,7 +14,7 @@ CRASH_CODE = 9
 
 
 def dying_wrap() -> list[str]:
-    """The command prefix that makes a daemon started by `meshd.testing.localmesh` die on a hand-over's KV."""
+    """The command prefix that makes a daemon started by `meshd.cli.localmesh` die on a hand-over's KV."""
     return [sys.executable, "-m", "meshd.testing.dying", "--"]
 
 

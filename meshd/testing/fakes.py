@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 import trio
 import trio.testing
 
+from meshd.api.control import Controls
+from meshd.api.http import Served
 from meshd.api.metrics import Metrics
 from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord
@@ -175,10 +177,11 @@ class FakeEntry:
 
 
 class FakeDaemon:
-    """The daemon as its parts read it (the control socket, the HTTP API, metrics, the rebalancer): a
-    lifecycle that serves, a status (`status` adds to its state), a mesh view, a model's artifact,
-    settings and a ledger (the real ones, the ledger without a file), metrics over itself, the counters
-    the control socket keeps, and an entry whose generations `generate` runs (none without it)."""
+    """The daemon as its parts are handed it: a lifecycle that serves, a status (`status` adds to its
+    state), a mesh view, a model's artifact, settings and a ledger (the real ones, the ledger without a
+    file), metrics over its status and ledger, and an entry whose generations `generate` runs (none
+    without it); `controls()` and `served()` give the control socket and the HTTP API what the real daemon
+    gives them (meshd/node/daemon.py), the rebalancer reads it as its `Placed`."""
 
     def __init__(self, status: dict | None = None, *, mesh: FakeMesh | None = None,
                  artifact: FakeArtifact | None = None, generate=None) -> None:
@@ -188,9 +191,29 @@ class FakeDaemon:
         self.mesh, self.artifact = mesh, artifact
         self.entry = FakeEntry(generate) if generate is not None else None
         self.settings, self.ledger = Settings(), Ledger(None)
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.status, lambda: self.ledger.totals())
         self.started_at = time.time()
-        self.active_generations = self.answering = 0
 
     def status(self) -> dict:
         return {"state": str(self.lifecycle), **self.fields}
+
+    def controls(self) -> Controls:
+        async def drain(reason, timeout):
+            self.lifecycle.to(State.DRAINING, reason)
+
+        def no_entry(*_):
+            raise AssertionError("this fake hands no generation on")
+
+        return Controls(stage=self.lifecycle, status=self.status, ledger_totals=lambda *a: self.ledger.totals(*a),
+                        drain=drain, stop=lambda why: None, drain_timeout_s=self.settings.drain_timeout,
+                        observe=self.metrics.observe_generation, entry=lambda: self.entry, choose_entry=no_entry,
+                        open_stream=no_entry)
+
+    def served(self) -> Served:
+        from meshd.api.structured import chat_template
+
+        a = self.artifact
+        return Served(model=a.name if a else "", max_positions=a.config.max_positions if a else 0,
+                      chat_template=chat_template(a), started_at=self.started_at, status=self.status,
+                      state=lambda: "" if self.lifecycle.takes_new_work else str(self.lifecycle),
+                      gaps=lambda: self.mesh.coverage.serving().gaps() if self.mesh else [])

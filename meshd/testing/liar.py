@@ -23,7 +23,7 @@ SPEED_CLAIM = 100.0  # the liar advertises this many times its measured throughp
 
 
 def liar_wrap(scale: float = 1.0, from_position: int = 0, honest_speed: bool = False) -> list[str]:
-    """The command prefix that turns a daemon started by `meshd.testing.localmesh` into a liar."""
+    """The command prefix that turns a daemon started by `meshd.cli.localmesh` into a liar."""
     return [sys.executable, "-m", "meshd.testing.liar", "--scale", str(scale), "--from-position", str(from_position),
             *(["--honest-speed"] if honest_speed else []), "--"]
 

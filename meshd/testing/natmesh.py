@@ -3,7 +3,7 @@ daemons without layers (pub0, pub1, ...), and one home daemon per range behind i
 
 from __future__ import annotations
 
-from meshd.testing.localmesh import Mesh
+from meshd.cli.localmesh import Mesh
 
 PORT = 4690
 

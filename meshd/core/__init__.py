@@ -1,0 +1,2 @@
+"""The bottom room: what every other room may use (logging, the compute executor); it imports
+nothing of meshd."""
