@@ -123,7 +123,8 @@ def test_a_check_reports_unverified_without_a_second_route_or_with_unchecked_lay
 def test_the_verify_flags_reach_the_request_and_the_settings():
     from meshd.cli.ctl import build_parser as ctl_parser
     from meshd.cli.main import build_parser
-    from meshd.node.settings import load_settings
+    from meshd.core.settings import load_settings
+    from meshd.node.wiring import verify_share
     from meshd.wire import Decoder, GenerateRequest, encode
 
     req = GenerateRequest(request_id=1, prompt="x", verify=True)
@@ -132,9 +133,9 @@ def test_the_verify_flags_reach_the_request_and_the_settings():
     assert not ctl_parser().parse_args(["generate", "hi"]).verify
     args = build_parser().parse_args(["join", "--verify-rate", "0.25"])
     s = load_settings({"verify_rate": args.verify_rate}, environ={})
-    assert s.verify_share == 0.25 and load_settings({}, environ={}).verify_share == 0.05
+    assert verify_share(s) == 0.25 and verify_share(load_settings({}, environ={})) == 0.05
     with pytest.raises(ValueError, match="--verify-rate"):
-        load_settings({"verify_rate": 2.0}, environ={}).verify_share
+        verify_share(load_settings({"verify_rate": 2.0}, environ={}))
 
 
 def test_the_liar_harness_changes_what_it_returns_and_only_from_its_position():

@@ -18,7 +18,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from meshd.cli.render import mesh_key_line
 from meshd.cli.main import main as meshd_main
-from meshd.node.settings import load_settings
+from meshd.core.settings import load_settings
+from meshd.node.wiring import mesh_key
 from meshd.p2p.host import connect, full_addrs, open_host
 from meshd.p2p.pnet import MULTISTREAM_HEADER, NotAMember, Pnet, PnetConn, Refusals
 from meshd.p2p.swarmkey import SwarmKey, SwarmKeyError, fingerprint, format_swarm_key, parse_swarm_key, \
@@ -162,16 +163,16 @@ def test_the_key_setting_comes_from_flag_environment_or_config_and_can_be_requir
     write_new_swarm_key(path)
     conf = tmp_path / "meshd.toml"
     conf.write_text(f'swarm_key = "{path}"\nrequire_swarm_key = 1\n')
-    assert load_settings({}, str(conf), environ={}).mesh_key().psk == read_swarm_key(path).psk
-    assert load_settings({}, None, environ={"MESHD_SWARM_KEY": str(path)}).mesh_key().path == str(path)
-    assert load_settings({"swarm_key": str(path)}, None, environ={}).mesh_key().path == str(path)
-    assert load_settings({}, None, environ={}).mesh_key() is None  # an open mesh
+    assert mesh_key(load_settings({}, str(conf), environ={})).psk == read_swarm_key(path).psk
+    assert mesh_key(load_settings({}, None, environ={"MESHD_SWARM_KEY": str(path)})).path == str(path)
+    assert mesh_key(load_settings({"swarm_key": str(path)}, None, environ={})).path == str(path)
+    assert mesh_key(load_settings({}, None, environ={})) is None  # an open mesh
     for s in (load_settings({"require_swarm_key": 1}, None, environ={}),
               load_settings({}, None, environ={"MESHD_REQUIRE_SWARM_KEY": "1"})):
         with pytest.raises(SwarmKeyError, match="swarm key is required"):
-            s.mesh_key(environ={})
+            mesh_key(s, environ={})
     with pytest.raises(SwarmKeyError, match="LIBP2P_FORCE_PNET"):
-        load_settings({}, None, environ={}).mesh_key(environ={"LIBP2P_FORCE_PNET": "1"})
+        mesh_key(load_settings({}, None, environ={}), environ={"LIBP2P_FORCE_PNET": "1"})
 
 
 def test_meshd_swarm_key_new_writes_a_key_and_join_refuses_bad_ones_with_exit_2(tmp_path, capsys, monkeypatch):

@@ -203,7 +203,7 @@ def test_a_generation_begun_before_a_move_reroutes_from_the_layers_it_began_on()
     plan [10, 30) on the old slot's service, not [20, 30) against a shard it never opened."""
     from meshd.core.compute import ComputeExecutor
     from meshd.node.daemon import Daemon
-    from meshd.node.settings import Settings
+    from meshd.core.settings import Settings
 
     d = Daemon(Settings(), ComputeExecutor())
     d.artifact = FakeArtifact(config=FakeConfig(max_positions=64, eos_id=2), fingerprint="m")

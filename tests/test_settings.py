@@ -3,7 +3,8 @@
 import pytest
 
 from meshd.dht.placement import largest_layer_bytes
-from meshd.node.settings import Settings, default_socket, load_settings
+from meshd.core.settings import Settings, default_socket, load_settings
+from meshd.node.wiring import configure, relay_limits
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import get_recipe
@@ -83,7 +84,7 @@ def test_the_example_config_parses_with_every_commented_setting_switched_on(tmp_
     cfg = tmp_path / "meshd.toml"
     cfg.write_text(on)
     s = load_settings({}, str(cfg), environ={})
-    assert s.relay == "auto" and s.relays == 2 and s.hole_punch == 1 and s.relay_limits().circuit_bytes == 1024 << 20
+    assert s.relay == "auto" and s.relays == 2 and s.hole_punch == 1 and relay_limits(s).circuit_bytes == 1024 << 20
 
 
 def test_speculation_settings_from_flag_environment_and_file(tmp_path):
@@ -108,11 +109,11 @@ def test_speculation_settings_from_flag_environment_and_file(tmp_path):
 def test_kernel_isa_caps_the_kernel_and_an_unknown_one_is_refused():
     best = blocks.isa()
     try:
-        Settings(kernel_isa="portable").configure()
+        configure(Settings(kernel_isa="portable"))
         assert blocks.isa() == "portable"
-        Settings(kernel_isa="avx512").configure()  # at most what the CPU has
+        configure(Settings(kernel_isa="avx512"))  # at most what the CPU has
         assert blocks.isa() == best
         with pytest.raises(ValueError, match="unknown instruction set"):
-            Settings(kernel_isa="avx3").configure()
+            configure(Settings(kernel_isa="avx3"))
     finally:
         blocks.limit_isa(best)

@@ -4,8 +4,8 @@ its `Settings` field, and `meshd join` offers exactly the declared flags."""
 import argparse
 
 from meshd.cli.main import LOCAL_SETTINGS, build_parser
-from meshd.node import settings as st
-from meshd.node.settings import DECLARED, Settings, add_flags, default, load_settings
+from meshd.core import settings as st
+from meshd.core.settings import DECLARED, Settings, add_flags, default, load_settings
 
 
 def subparser(name: str) -> argparse.ArgumentParser:

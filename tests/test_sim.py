@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshd.dht.rebalancer import AUTO_SETTLE_S, SETTLE_S
-from meshd.node.settings import Settings
+from meshd.core.settings import Settings
 from meshd.sim import calibrate as cal
 from meshd.sim.__main__ import main
 from meshd.sim.dht import Keyspace
@@ -152,7 +152,7 @@ NOT_POLICIES = {"AUTO_SETTLE_S", "MOVE_JITTER_S", "PERSIST_ROUNDS", "REBALANCE_P
 POLICIES = {"place_span", "fit_span", "plan_moves", "Persistence", "takes_part", "still_named", "bump",
             "republish_every", "CoverageMap", "choose_relays", "relay_candidates", "RelayLedger", "Lookup",
             "key_point", "peer_point", "plan_around", "plan_route", "route_along", "link_latency", "Retries",
-            "choose_entry", "Capacity"}
+            "choose_entry", "Capacity", "relay_limits"}
 
 
 def test_every_policy_the_simulator_calls_is_one_the_daemon_calls():

@@ -304,14 +304,15 @@ def test_chunk_spans_cover_prompt():
 
 def test_chunk_size_and_encoding_come_from_the_daemon_s_settings(monkeypatch):
     """MESHD_CHUNK_TOKENS and MESHD_WIRE_ENCODING are read by the settings, once; the wire reads no environment."""
-    from meshd.node.settings import load_settings
+    from meshd.core.settings import load_settings
+    from meshd.node.wiring import configure
 
     monkeypatch.setattr("meshd.wire.chunks._chunk_tokens", w.chunk_tokens())  # both restored after the test
     monkeypatch.setattr("meshd.wire.codec._encoding", "raw")
     monkeypatch.setenv("MESHD_CHUNK_TOKENS", "16")
     monkeypatch.setenv("MESHD_WIRE_ENCODING", "zstd")
     assert w.chunk_tokens() == 128  # the environment alone changes nothing
-    load_settings({}, config_file="/dev/null").configure()
+    configure(load_settings({}, config_file="/dev/null"))
     assert w.chunk_tokens() == 16 and len(w.chunk_spans(40)) == 3
     t = w.Tensor.from_numpy("hidden", np.zeros((1, 64), dtype=np.float32))
     frame = w.Forward(session_id=b"s" * 16, epoch=0, step=0, phase=w.Phase.DECODE, position=0, tensors=(t,))

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from meshd.cli.render import prompt_line, render_ledger, render_status
-from meshd.node.settings import default_socket, default_state_dir
+from meshd.core.settings import default_socket, default_state_dir
 from meshd.wire import Decoder, DrainRequest, GenerateRequest, LedgerRequest, StatusRequest, WireError, encode
 
 EXIT_DOWN, EXIT_NO_ROUTE, EXIT_FAILED, EXIT_BUSY = 3, 4, 5, 6

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from meshd.core.log import setup_logging
-from meshd.node.settings import RECIPES, add_flags, default, flags_given, load_settings
+from meshd.core.settings import RECIPES, add_flags, default, flags_given, load_settings
 
 # the settings of the parts below the node (kernel, wire) that `meshd local` takes as a daemon does
 LOCAL_SETTINGS = ("kernel_isa", "kernel_layout", "wire_encoding", "chunk_tokens")
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="run the daemon: join (or start) a mesh and serve layers")
-    add_flags(join)  # every setting that has a flag, as declared in meshd/node/settings.py
+    add_flags(join)  # every setting that has a flag, as declared in meshd/core/settings.py
     join.add_argument("--config", help="TOML file (default /etc/meshd/meshd.toml if present)")
     key = sub.add_parser("swarm-key", help="create or inspect a private mesh's key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
@@ -62,10 +62,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
         if args.command == "local":
             from meshd.cli.local import run_local
+            from meshd.node.wiring import configure
 
             # the settings of the parts below (wire, cache) as a daemon here has them: flags, MESHD_*, config file
-            load_settings({name: getattr(args, name) for name in LOCAL_SETTINGS},
-                          args.config if hasattr(args, "config") else None).configure()
+            configure(load_settings({name: getattr(args, name) for name in LOCAL_SETTINGS},
+                                    args.config if hasattr(args, "config") else None))
             return run_local(args)
     except KeyboardInterrupt:
         return 130

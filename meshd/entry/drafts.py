@@ -27,11 +27,13 @@ after a miss cost the trips in which the text came back to the copy.)
 
 from __future__ import annotations
 
+from meshd.core.settings import default
+
 NGRAM_MAX = 3  # the longest suffix looked up
 NGRAM_MIN = 2  # single tokens repeat too often by chance to be worth a draft
-DRAFT_MAX = 32  # drafts a step carries at most (--draft-max): a step's rows past the first come out of a
-# hop's pass budget (meshd/hop/scheduler.py TOKEN_BUDGET, 256), and only a generation whose drafts stand
-# and whose trips cost many rows sends so many
+DRAFT_MAX = default("draft_max")  # drafts a step carries at most (--draft-max): a step's rows past the first
+# come out of a hop's pass budget (meshd/hop/scheduler.py TOKEN_BUDGET, 256), and only a generation whose drafts
+# stand and whose trips cost many rows sends so many
 FIRST_K = 4
 PAUSE_MIN, PAUSE_MAX = 4, 64  # plain steps before one draft is tried again at k = 0
 WEIGHT = 0.25  # of the latest step in the running means of step times

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshd.core.settings import default
 from meshd.wire import Error, ErrorCode
 
 TYPICAL_LENGTH = 2048  # positions of the session `free_sessions` counts in
-PEER_SHARE = 0.75  # of the sessions and the KV budget, what one peer may hold
+PEER_SHARE = default("peer_share")  # of the sessions and the KV budget, what one peer may hold
 BUSY_RETRY_S = 1.0  # when room for a session (sessions, KV, streams) may be free again: about a short generation
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from meshd.core.settings import default
 from meshd.hop import sketch
 from meshd.hop.admission import TYPICAL_LENGTH, Capacity, busy
 from meshd.hop.handover import HandOverRefused, Incoming
@@ -37,9 +38,9 @@ TOKENS, HIDDEN, DRAFTS, FED = "tokens", "hidden", "drafts", "fed"  # fed: a fram
 KIND = {Phase.PREFILL: PASS, Phase.DECODE: STEPS, Phase.VERIFY: SCORE}  # how a frame's positions are computed
 
 
-MAX_SESSIONS = 64
-IDLE_WHEN_FULL_S = 60.0  # a session unused this long gives its room to a new one when the shard is full
-# (a live generation sends a frame every step; an entry waits at most --busy-wait, 30 s, for a busy hop)
+MAX_SESSIONS = default("max_sessions")
+IDLE_WHEN_FULL_S = default("session_idle_full")  # a session unused this long gives its room to a new one when the
+# shard is full (a live generation sends a frame every step; an entry waits at most --busy-wait, 30 s, for a busy hop)
 
 
 class ShardEndpoint:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from meshd.core.settings import default
 from meshd.hop.admission import PEER_SHARE, busy
 from meshd.p2p.budget import ByteBudget, Held
 from meshd.p2p.channel import FRAME_TIMEOUT, Channel
@@ -23,12 +24,13 @@ from meshd.shard.footprint import trim_heap
 from meshd.wire import Error, OpenSession
 from meshd.wire.protocols import SHARD_PROTOCOL
 
-IDLE_TIMEOUT = 300.0
-FRAME_BUDGET = 512 << 20  # bytes all peers' frames may occupy at once (queued, half-received, being decoded)
-PEER_FRAME_SHARE = 192 << 20  # ... one peer's frames (three of the largest frames a decoder takes)
-STREAMS_PER_PEER = 128  # shard streams one peer may hold open here (an entry opens one per session)
+IDLE_TIMEOUT = default("stream_idle")
+FRAME_BUDGET = default("frame_budget_mb") << 20  # bytes all peers' frames may occupy at once (queued, half-received,
+# being decoded)
+PEER_FRAME_SHARE = default("peer_frame_mb") << 20  # ... one peer's frames (three of the largest frames a decoder takes)
+STREAMS_PER_PEER = default("streams_per_peer")  # shard streams one peer may hold open here (an entry opens one a
+# session)
 TRIM_AFTER = 16 << 20  # once the frames of a burst this big are done, freed heap goes back to the system
-BUSY_RETRY_S = 1.0
 TRIM_PERIOD_S = 2.0
 TRIMS_AFTER_BURST = 15  # trims after a burst, TRIM_PERIOD_S apart: 30 s, so that buffers py-libp2p frees
 # when the peer hangs up go back too

@@ -27,9 +27,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from meshd.core.settings import default
+
 TOKEN_BUDGET = 256  # rows of one pass beyond its decode steps: two 128-token prefill chunks
 MAX_BATCH = 64  # sessions in one pass
-MAX_QUEUED = 1024  # pieces of work waiting
+MAX_QUEUED = default("max_queue")  # pieces of work waiting
 
 
 class QueueFull(RuntimeError):

@@ -44,7 +44,8 @@ from meshd.node.lifecycle import Lifecycle, State, StopRequest
 from meshd.core.log import get_logger
 from meshd.node.model import open_draft, open_model
 from meshd.node.relaying import Relaying
-from meshd.node.settings import Settings
+from meshd.core.settings import Settings
+from meshd.node import wiring
 from meshd.node.slot import Slot, evict_loop, forget_shard, open_slot
 from meshd.node.status import Observed, daemon_status
 from meshd.p2p.dialer import Dialer
@@ -65,7 +66,7 @@ class Daemon:
 
     def __init__(self, settings: Settings, compute: ComputeExecutor) -> None:
         self.settings, self.compute = settings, compute
-        key = settings.mesh_key()  # refused here, before anything starts, when it is unusable
+        key = wiring.mesh_key(settings)  # refused here, before anything starts, when it is unusable
         self.pnet = Pnet(key) if key else None  # a private mesh: its key and the connections refused
         self.lifecycle = Lifecycle()
         self.stopping = StopRequest()
@@ -81,7 +82,7 @@ class Daemon:
         self.dialer: Dialer | None = None  # every connection and stream to another peer
         self.ledger = Ledger(None)  # the work ledger (opened in run; this one keeps nothing)
         self.rebalancer: Rebalancer | None = None  # with --layers auto: moves to fill gaps
-        self.intake = settings.intake()  # what other daemons' shard streams may take here, all slots together
+        self.intake = wiring.intake(settings)  # what other daemons' shard streams may take here, all slots together
         self.exclusions = Exclusions()  # peers kept off this daemon's routes after a check (meshd/entry/checks.py)
         self.draft_model = None  # --draft: proposes its entries' drafts (meshd/entry/draftmodel.py)
         self.nursery: trio.Nursery | None = None  # the serving nursery: hand-overs run in it
@@ -97,7 +98,7 @@ class Daemon:
         self.stopping.arm()
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
-        s.speculate_on, s.verify_share  # noqa: B018 -- a bad --speculate, --draft-max or --verify-rate is refused
+        s.speculate_on, wiring.verify_share(s)  # noqa: B018 -- a bad --speculate, --draft-max, --verify-rate: refused
         self.draft_model = await open_draft(s, self.artifact, self.compute, fixed)
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
@@ -309,7 +310,8 @@ class Daemon:
                                busy_wait_s=s.busy_wait, forwarding=bool(s.forwarding), microbatches=s.microbatches,
                                speculate=s.speculate_on, draft_max=s.draft_max, draft_model=self.draft_model,
                                ledger=self.ledger,
-                               verify_rate=s.verify_share, exclusions=self.exclusions, prefix_ttl_s=s.prefix_ttl)
+                               verify_rate=wiring.verify_share(s), exclusions=self.exclusions,
+                               prefix_ttl_s=s.prefix_ttl)
         slot.service.nursery = self.nursery
         old, self.slot = self.slot, slot
         return old
@@ -348,7 +350,7 @@ def run_daemon(settings: Settings) -> int:
     """
     pin_heap_thresholds()  # before anything large is freed: what a burst of frames leaves goes back
     Path(settings.state_path).mkdir(parents=True, exist_ok=True)
-    settings.configure()
+    wiring.configure(settings)
     compute = ComputeExecutor()
     daemon = Daemon(settings, compute)
     failure: list[BaseException] = []

@@ -14,7 +14,7 @@ import trio
 
 from meshd.core.compute import ComputeExecutor
 from meshd.core.log import get_logger
-from meshd.node.settings import Settings
+from meshd.core.settings import Settings
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.footprint import check_fits

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 
 from meshd.relay.circuit import HOP_PROTOCOL, STOP_PROTOCOL, RelayService, accept_circuit
+from meshd.node.wiring import relay_limits
 from meshd.relay.client import RelayClient, relay_candidates
 
 
 class Relaying:
     def __init__(self, settings, host, reach, mesh, dialer, on_change) -> None:
         self.settings, self.host, self.reach, self.mesh = settings, host, reach, mesh
-        self.offer = RelayService(host, settings.relay_limits(), enabled=self.offering,
+        self.offer = RelayService(host, relay_limits(settings), enabled=self.offering,
                                   own_addrs=lambda: mesh.record.addrs)
         self.reservations = RelayClient(host, settings.relays, connect=dialer.ensure_connected,
                                         candidates=lambda: relay_candidates(mesh.known.values(), mesh.latency,

@@ -11,13 +11,14 @@ from collections import Counter
 
 import trio
 
+from meshd.core.settings import default
 from meshd.p2p.budget import ByteBudget, Held, OverBudget
 from meshd.wire import Decoder, FrameTooLarge, Message, encode
 from meshd.wire.codec import RawFrame
 
 READ_SIZE = 1 << 16
 SEND_TIMEOUT = 10.0  # a peer that reads nothing for this long is as good as gone
-FRAME_TIMEOUT = 30.0  # a frame begun must be whole within this (a half-sent frame is not kept)
+FRAME_TIMEOUT = default("frame_timeout")  # a frame begun must be whole within this (a half-sent frame is not kept)
 OFFLOAD_BYTES = 256 << 10  # frames that cost more are checked and decoded on a worker thread
 DECODE_THREADS = 2  # worker threads decoding at once, all channels together
 TRAFFIC: Counter = Counter()  # (protocol, "sent" | "received") -> bytes, for this process's metrics

@@ -15,15 +15,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from meshd.core.settings import default
+
 
 
 @dataclass(frozen=True)
 class RelayLimits:
-    reservations: int = 32          # peers holding a reservation at once
-    circuits: int = 64              # circuits open at once, all peers together
-    circuits_per_peer: int = 8      # circuits open at once from or to one peer
-    circuit_bytes: int = 1 << 30    # bytes one circuit carries, both directions together
-    circuit_s: float = 3600.0       # seconds one circuit lasts
+    reservations: int = default("relay_reservations")  # peers holding a reservation at once
+    circuits: int = default("relay_circuits")  # circuits open at once, all peers together
+    circuits_per_peer: int = default("relay_circuits_per_peer")  # circuits open at once from or to one peer
+    circuit_bytes: int = default("relay_circuit_mb") << 20  # bytes one circuit carries, both directions together
+    circuit_s: float = default("relay_circuit_s")  # seconds one circuit lasts
     reservation_s: int = 300        # a reservation lapses unless refreshed within this
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from meshd.core.settings import default
 from meshd.shard.prefix import BLOCK, Kept, PrefixIndex
 
 GROW_STEP = 64
@@ -146,8 +147,8 @@ class KVStore:
     """All sessions' caches of one shard; thread-safe; `used_bytes` never exceeds `budget_bytes`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 budget_bytes: int, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
-                 prefix_ttl_s: float = 600.0) -> None:
+                 budget_bytes: int, ttl_s: float = default("session_idle"), clock: Callable[[], float] = time.monotonic,
+                 prefix_ttl_s: float = default("prefix_ttl")) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim, self.dtype = n_layers, n_kv_heads, head_dim, dtype
         self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
         self.used_bytes = 0  # live sessions' bytes and kept ones'

@@ -17,6 +17,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from meshd.core.settings import default
 from meshd.core.log import get_logger
 from meshd.shard import gemma3, gpt2, llama, mixtral, phi3, qwen3, rope
 from meshd.shard.artifact import Artifact
@@ -44,13 +45,14 @@ class OpenedSession:
 
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3, "phi3": phi3}
-DEFAULT_KV_BUDGET = 1 << 30
+DEFAULT_KV_BUDGET = default("kv_budget")
 log = get_logger(__name__)
 
 
 class Shard:
     def __init__(self, artifact: Artifact, start: int, end: int, recipe: Recipe = EXACT,
-                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, kv_ttl_s: float = 600.0, prefix_ttl_s: float = 600.0,
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, kv_ttl_s: float = default("session_idle"),
+                 prefix_ttl_s: float = default("prefix_ttl"),
                  progress: bool | None = None) -> None:
         cfg = artifact.config
         if not 0 <= start < end <= cfg.n_layers:

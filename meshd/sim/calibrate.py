@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshd.node.settings import Settings
+from meshd.core.settings import Settings
 from meshd.sim.metrics import pct
 from meshd.sim.swarm import Swarm
 from meshd.sim.world import Machine, Place, Shape, WorldSpec

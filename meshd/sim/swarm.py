@@ -22,7 +22,8 @@ from meshd.dht.rebalancer import (AUTO_SETTLE_S, MOVE_JITTER_S, PERSIST_ROUNDS, 
                                   SETTLE_S)
 from meshd.dht.record import CoverageRecord, bump, republish_every
 from meshd.dht.view import COVERAGE_INTERVAL
-from meshd.node.settings import Settings
+from meshd.core.settings import Settings
+from meshd.node.wiring import relay_limits
 from meshd.relay.client import TICK_S, choose_relays, relay_candidates
 from meshd.relay.policy import RelayLedger
 from meshd.sim.dht import Keyspace
@@ -203,7 +204,7 @@ class Swarm:
         if not node.nat:  # a public daemon relays (`--relay auto`)
             self.relay_records[node.peer_id] = CoverageRecord(node.peer_id, (f"/sim/{node.peer_id}",), "m", "r", 0, 0,
                                                               self.shape.n_layers, relay=True, expires_at=float("inf"))
-            self.ledgers[node.peer_id] = RelayLedger(self.settings.relay_limits())
+            self.ledgers[node.peer_id] = RelayLedger(relay_limits(self.settings))
             self.clock.after(RENEW_S, self._renew, node.peer_id)
         else:
             self._reserve(node)

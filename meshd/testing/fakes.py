@@ -22,7 +22,7 @@ from meshd.dht.coverage import CoverageMap
 from meshd.dht.record import CoverageRecord
 from meshd.node.ledger import Ledger
 from meshd.node.lifecycle import Lifecycle, State
-from meshd.node.settings import Settings
+from meshd.core.settings import Settings
 from meshd.p2p.channel import Channel
 from meshd.wire import Heartbeat
 

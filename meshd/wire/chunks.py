@@ -6,10 +6,11 @@ total that never changes, and each chunk starts where the previous one ended.
 
 from __future__ import annotations
 
+from meshd.core.settings import default
 from meshd.wire.errors import ChunkOrderError
 from meshd.wire.messages import Forward
 
-DEFAULT_CHUNK_TOKENS = 128
+DEFAULT_CHUNK_TOKENS = default("chunk_tokens")
 
 # Process-wide only until every caller passes its size to `chunk_spans` (the entry and the hop's
 # stream do not yet): the daemon's --chunk-tokens, set once at start by `Settings.configure`.

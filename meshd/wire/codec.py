@@ -27,6 +27,8 @@ from typing import Literal
 import msgpack
 import zstandard
 
+from meshd.core import settings
+from meshd.core.settings import default
 from meshd.wire.errors import (ChecksumMismatch, FrameTooLarge, MalformedFrame, TruncatedFrame,
                                UnsupportedVersion, WireError)
 from meshd.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
@@ -34,9 +36,9 @@ from meshd.wire.tensors import BYTE_ORDER, DTYPES, Tensor
 
 PREAMBLE = struct.Struct("<III")
 Encoding = Literal["raw", "zstd", "auto"]
-ENCODINGS = ("raw", "zstd", "auto")  # how `encode` may pack a frame's tensors (auto: zstd where it pays)
+ENCODINGS = tuple(settings.ENCODINGS)  # how `encode` may pack a frame's tensors (auto: zstd where it pays)
 TENSOR_ENCODINGS = ("raw", "zstd")  # what a tensor descriptor may say it is in
-DEFAULT_ENCODING: Encoding = "raw"
+DEFAULT_ENCODING: Encoding = default("wire_encoding")
 # zstd must save at least this fraction of the bytes to be used in "auto" mode
 AUTO_MIN_SAVING = 0.05
 ZSTD_LEVEL = 1

@@ -14,8 +14,11 @@ Its command-line source writes help and flags its own way (types and defaults ap
 so `meshd join --help` and the flags would change. Every flag, variable and key staying as it was weighs
 more than twenty lines; the declaration, not the library, is what removes the copies.
 
-The wire's defaults (prefill chunk size, encoding) are the wire's own constants, read here: the wire is
-the bottom room and reads nothing above it.
+This module sits in the bottom room (core) and imports nothing of meshd, so every room reads a declared
+default from it (`default(name)`) instead of keeping a literal of its own: the wire's prefill chunk size
+and encoding, a hop's session and queue limits, an entry's drafts. What the node builds from settings
+(the intake's limits, the relay's, the swarm key, the process-wide kernel and wire choices) is
+meshd/node/wiring.py's.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ import tomllib
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 
-from meshd.entry.drafts import DRAFT_MAX
-from meshd.wire import DEFAULT_CHUNK_TOKENS, DEFAULT_ENCODING, ENCODINGS
 
 DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/4690"]
 DEFAULT_CONFIG = "/etc/meshd/meshd.toml"
 RECIPES = ["auto", "native", "exact", "compact"]  # meshd.shard.recipe.CHOICES, without importing torch
 KERNEL_ISAS = ["portable", "avx2", "avx512"]  # meshd.shard.blocks.ISAS, without importing torch
 KERNEL_LAYOUTS = ["auto", "rows", "tiles"]  # meshd.shard.blocks.LAYOUTS, without importing torch
+ENCODINGS = ["raw", "zstd", "auto"]  # how hidden states may travel (meshd/wire/codec.py takes them from here)
 
 
 def default_state_dir() -> Path:
@@ -113,7 +115,7 @@ class Settings:
                                      " pass down the route, so a trip can return several tokens; the text is the same"
                                      " (default {default}: drafts where they pay for their rows)",
                              choices=["auto", "off"])
-    draft_max: int = setting(DRAFT_MAX, "as an entry: draft tokens a step carries at most (default {default}; a greedy"
+    draft_max: int = setting(32, "as an entry: draft tokens a step carries at most (default {default}; a greedy"
                                         " generation sends as many as pay for their rows at the trip and acceptance"
                                         " measured)")
     draft: str = setting("", "as an entry: a draft model (a GGUF file, an HF directory or a bundled name) run whole on"
@@ -162,35 +164,9 @@ class Settings:
                                          " Q4_0 and Q4_1 on AVX2 and AVX-512, Q8_0 on AVX-512), every weight in the"
                                          " file's rows, or Q4_0, Q4_1 and Q8_0 in tiles everywhere (the same bits)",
                                  choices=KERNEL_LAYOUTS)
-    wire_encoding: str = setting(DEFAULT_ENCODING, "how hidden states travel between shards: raw float32 (default),"
-                                                   " zstd, or auto (zstd where it saves a tenth)",
-                                 choices=list(ENCODINGS))
-    chunk_tokens: int = setting(DEFAULT_CHUNK_TOKENS, "prompt tokens per prefill chunk (default {default})")
-
-    def configure(self) -> None:
-        """Hand the parts below the node the settings they still hold process-wide: they read no
-        environment themselves.
-
-        Why process-wide: the block kernel's instruction set is the C extension's state (a process runs
-        one kernel); the weight layout is read while weights load, deep in the shard's loaders; the wire
-        encoding, the prefill chunk size and the cache directory are read by the p2p channel, the entry
-        and the tokenizer, which do not take them as values yet. Each of these parts takes its value as
-        an argument too (`encode(msg, encoding)`, `chunk_spans(n, size)`), so the globals go once every
-        caller passes them."""
-        from meshd import wire
-        from meshd.shard.artifact import set_cache_dir
-
-        if self.kernel_isa:
-            from meshd.shard import blocks
-
-            blocks.limit_isa(self.kernel_isa)
-        if self.kernel_layout != "auto":
-            from meshd.shard import blocks
-
-            blocks.set_layout(self.kernel_layout)
-        wire.set_default_encoding(self.wire_encoding)
-        wire.set_chunk_tokens(self.chunk_tokens)
-        set_cache_dir(self.cache_dir or default_cache_dir())
+    wire_encoding: str = setting("raw", "how hidden states travel between shards: raw float32 (default),"
+                                        " zstd, or auto (zstd where it saves a tenth)", choices=ENCODINGS)
+    chunk_tokens: int = setting(128, "prompt tokens per prefill chunk (default {default})")
 
     @property
     def state_path(self) -> Path:
@@ -212,19 +188,6 @@ class Settings:
             return Path(self.http_token_file).read_text().strip()
         return ""
 
-    def intake(self):
-        """The limits on what other daemons' shard streams may take here."""
-        from meshd.hop.intake import Intake
-        from meshd.p2p.budget import ByteBudget
-
-        if not 0 < self.peer_frame_mb <= self.frame_budget_mb:
-            raise ValueError(f"--peer-frame-mb ({self.peer_frame_mb}) must be positive and at most"
-                             f" --frame-budget-mb ({self.frame_budget_mb})")
-        if not 0 < self.peer_share <= 1:
-            raise ValueError(f"--peer-share must be in (0, 1], not {self.peer_share}")
-        return Intake(ByteBudget(self.frame_budget_mb << 20, self.peer_frame_mb << 20), self.streams_per_peer,
-                      self.frame_timeout, self.stream_idle, self.peer_share)
-
     @property
     def speculate_on(self) -> bool:
         if self.speculate not in ("auto", "off"):
@@ -232,33 +195,6 @@ class Settings:
         if self.draft_max < 0:
             raise ValueError(f"--draft-max must be 0 or more, not {self.draft_max}")
         return self.speculate == "auto" and self.draft_max > 0
-
-    @property
-    def verify_share(self) -> float:
-        from meshd.entry.checks import check_rate
-
-        return check_rate(self.verify_rate)
-
-    def mesh_key(self, environ=os.environ):
-        """The private mesh's key (None: an open mesh). Raises SwarmKeyError (a ValueError) for a key
-        file that is malformed or readable by other users, and without a key when one is required."""
-        from meshd.p2p.swarmkey import SwarmKeyError, read_swarm_key
-
-        if self.swarm_key:
-            return read_swarm_key(self.swarm_key)
-        if self.require_swarm_key or environ.get("LIBP2P_FORCE_PNET") == "1":
-            raise SwarmKeyError("a swarm key is required (--require-swarm-key or LIBP2P_FORCE_PNET=1) but none is"
-                                " given: set --swarm-key FILE, MESHD_SWARM_KEY or swarm_key in the config")
-        return None
-
-    def relay_limits(self):
-        from meshd.relay.policy import RelayLimits
-
-        if self.relay not in ("auto", "on", "off"):
-            raise ValueError(f"--relay must be auto, on or off, not {self.relay!r}")
-        return RelayLimits(reservations=self.relay_reservations, circuits=self.relay_circuits,
-                           circuits_per_peer=self.relay_circuits_per_peer, circuit_bytes=self.relay_circuit_mb << 20,
-                           circuit_s=self.relay_circuit_s)
 
     def parse_layers(self, n_layers: int) -> tuple[int, int] | None:
         """(start, end) for an explicit "A:B", None for "auto", (0, 0) for "none" (relay and bootstrap only)."""

@@ -1,0 +1,74 @@
+"""What the node builds from its settings (meshd/core/settings.py declares them): the limits on other
+daemons' shard streams, a relay's limits, a private mesh's key, the share of generations checked, and the
+choices the kernel, the wire and the artifact cache still hold process-wide.
+
+Rule: a bad value is refused here, by the flag's name, before anything starts. Why some choices are
+process-wide: the block kernel's instruction set is the C extension's state (a process runs one kernel);
+the weight layout is read while weights load, deep in the shard's loaders; the wire encoding, the
+prefill chunk size and the cache directory are read by the p2p channel, the entry and the tokenizer,
+which do not take them as values yet. Each of these parts takes its value as an argument too
+(`encode(msg, encoding)`, `chunk_spans(n, size)`), so the globals go once every caller passes them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshd import wire
+from meshd.core.settings import Settings, default_cache_dir
+from meshd.entry.checks import check_rate
+from meshd.hop.intake import Intake
+from meshd.p2p.budget import ByteBudget
+from meshd.p2p.swarmkey import SwarmKey, SwarmKeyError, read_swarm_key
+from meshd.relay.policy import RelayLimits
+
+
+def configure(s: Settings) -> None:
+    """Hand the parts below the node the settings they still hold process-wide: they read no environment
+    themselves."""
+    from meshd.shard import blocks  # torch comes with it: only a daemon or `meshd local` pays for it
+    from meshd.shard.artifact import set_cache_dir
+
+    if s.kernel_isa:
+        blocks.limit_isa(s.kernel_isa)
+    if s.kernel_layout != "auto":
+        blocks.set_layout(s.kernel_layout)
+    wire.set_default_encoding(s.wire_encoding)
+    wire.set_chunk_tokens(s.chunk_tokens)
+    set_cache_dir(s.cache_dir or default_cache_dir())
+
+
+def intake(s: Settings) -> Intake:
+    """The limits on what other daemons' shard streams may take here."""
+    if not 0 < s.peer_frame_mb <= s.frame_budget_mb:
+        raise ValueError(f"--peer-frame-mb ({s.peer_frame_mb}) must be positive and at most"
+                         f" --frame-budget-mb ({s.frame_budget_mb})")
+    if not 0 < s.peer_share <= 1:
+        raise ValueError(f"--peer-share must be in (0, 1], not {s.peer_share}")
+    return Intake(ByteBudget(s.frame_budget_mb << 20, s.peer_frame_mb << 20), s.streams_per_peer,
+                  s.frame_timeout, s.stream_idle, s.peer_share)
+
+
+def verify_share(s: Settings) -> float:
+    """The share of generations this entry checks (--verify-rate, refused outside [0, 1])."""
+    return check_rate(s.verify_rate)
+
+
+def mesh_key(s: Settings, environ=os.environ) -> SwarmKey | None:
+    """The private mesh's key (None: an open mesh). Raises SwarmKeyError (a ValueError) for a key file
+    that is malformed or readable by other users, and without a key when one is required."""
+    if s.swarm_key:
+        return read_swarm_key(s.swarm_key)
+    if s.require_swarm_key or environ.get("LIBP2P_FORCE_PNET") == "1":
+        raise SwarmKeyError("a swarm key is required (--require-swarm-key or LIBP2P_FORCE_PNET=1) but none is"
+                            " given: set --swarm-key FILE, MESHD_SWARM_KEY or swarm_key in the config")
+    return None
+
+
+def relay_limits(s: Settings) -> RelayLimits:
+    """What this daemon admits as a relay (--relay-*)."""
+    if s.relay not in ("auto", "on", "off"):
+        raise ValueError(f"--relay must be auto, on or off, not {s.relay!r}")
+    return RelayLimits(reservations=s.relay_reservations, circuits=s.relay_circuits,
+                       circuits_per_peer=s.relay_circuits_per_peer, circuit_bytes=s.relay_circuit_mb << 20,
+                       circuit_s=s.relay_circuit_s)
