@@ -36,7 +36,7 @@ from pathlib import Path
 from common import cpu_flags
 
 from meshd.cli.ctl import new_request_id, stream_answer
-from meshd.node.settings import default_cache_dir
+from meshd.core.settings import default_cache_dir
 from meshd.shard import blocks
 from meshd.shard.artifact import open_artifact
 from meshd.shard.tokenizer import load_tokenizer
