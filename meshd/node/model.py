@@ -26,7 +26,7 @@ log = get_logger(__name__)
 async def open_model(settings: Settings, compute: ComputeExecutor):
     """(artifact, recipe, recipe fingerprint, fixed range or None); `(0, 0)` is `--layers none`.
     The compute thread's tensor work gets its threads here."""
-    artifact = await trio.to_thread.run_sync(open_artifact, settings.model)
+    artifact = await trio.to_thread.run_sync(open_artifact, settings.model, settings.cache_dir or None)
     recipe = get_recipe(settings.recipe, artifact)
     await compute.run(blocks.divide_threads, settings.threads or len(os.sched_getaffinity(0)), recipe)
     recipe_fp = recipe.fingerprint(artifact.fingerprint, artifact.config.adapter, "artifact")

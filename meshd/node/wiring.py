@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from meshd import wire
-from meshd.core.settings import Settings, default_cache_dir
+from meshd.core.settings import Settings
 from meshd.entry.checks import check_rate
 from meshd.hop.intake import Intake
 from meshd.p2p.budget import ByteBudget
@@ -27,7 +27,6 @@ def configure(s: Settings) -> None:
     """Hand the parts below the node the settings they still hold process-wide: they read no environment
     themselves."""
     from meshd.shard import blocks  # torch comes with it: only a daemon or `meshd local` pays for it
-    from meshd.shard.artifact import set_cache_dir
 
     if s.kernel_isa:
         blocks.limit_isa(s.kernel_isa)
@@ -35,7 +34,6 @@ def configure(s: Settings) -> None:
         blocks.set_layout(s.kernel_layout)
     wire.set_default_encoding(s.wire_encoding)
     wire.set_chunk_tokens(s.chunk_tokens)
-    set_cache_dir(s.cache_dir or default_cache_dir())
 
 
 def intake(s: Settings) -> Intake:

