@@ -21,7 +21,7 @@ from meshd.hop.admission import PEER_SHARE, busy
 from meshd.p2p.budget import ByteBudget, Held
 from meshd.p2p.channel import FRAME_TIMEOUT, Channel
 from meshd.shard.footprint import trim_heap
-from meshd.wire import Error, OpenSession
+from meshd.wire import DEFAULT_ENCODING, Error, OpenSession
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 IDLE_TIMEOUT = default("stream_idle")
@@ -45,12 +45,13 @@ class Intake:
     frame_timeout: float = FRAME_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
     peer_share: float = PEER_SHARE  # of the sessions and KV, what one peer may hold (meshd/hop/admission.py)
+    encoding: str = DEFAULT_ENCODING  # how the frames sent back on these streams pack their tensors
     streams: Counter = field(default_factory=Counter)  # peer -> shard streams open now
     queued: Counter = field(default_factory=Counter)  # peer -> its Forward frames waiting for compute here
     trims_due: int = 0  # heap trims `trim_loop` still owes the last burst
 
     def channel(self, stream) -> Channel:
-        channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+        channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL), self.encoding)
         channel.peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", ""))
         channel.budget, channel.frame_timeout = self.budget, self.frame_timeout
         return channel

@@ -106,7 +106,8 @@ class Daemon:
             self.host = host
             self.dialer = Dialer(host, dial_circuit,
                                  latency=lambda: self.mesh.latency if self.mesh is not None else {},
-                                 known=lambda: self.mesh.known if self.mesh is not None else {})
+                                 known=lambda: self.mesh.known if self.mesh is not None else {},
+                                 encoding=s.wire_encoding)
             dht = MeshDHT(host)
             self.punch = HolePuncher(host, busy_protocols=(SHARD_PROTOCOL, GEN_PROTOCOL)) if s.hole_punch else None
             async with (background_trio_service(dht),

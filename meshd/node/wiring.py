@@ -44,7 +44,7 @@ def intake(s: Settings) -> Intake:
     if not 0 < s.peer_share <= 1:
         raise ValueError(f"--peer-share must be in (0, 1], not {s.peer_share}")
     return Intake(ByteBudget(s.frame_budget_mb << 20, s.peer_frame_mb << 20), s.streams_per_peer,
-                  s.frame_timeout, s.stream_idle, s.peer_share)
+                  s.frame_timeout, s.stream_idle, s.peer_share, encoding=s.wire_encoding)
 
 
 def verify_share(s: Settings) -> float:

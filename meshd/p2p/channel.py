@@ -13,7 +13,7 @@ import trio
 
 from meshd.core.settings import default
 from meshd.p2p.budget import ByteBudget, Held, OverBudget
-from meshd.wire import Decoder, FrameTooLarge, Message, encode
+from meshd.wire import DEFAULT_ENCODING, Decoder, FrameTooLarge, Message, encode
 from meshd.wire.codec import RawFrame
 
 READ_SIZE = 1 << 16
@@ -48,12 +48,13 @@ def _decode_limiter() -> trio.CapacityLimiter:
 class Channel:
     """Frames over a stream. With a `budget`, every frame's declared cost is taken from the peer's
     share before the frame is read past its header (flow control: past the share the stream is
-    not read until room frees) and held until the caller releases it (`receive_held`)."""
+    not read until room frees) and held until the caller releases it (`receive_held`). `encoding`: how
+    the tensors of the frames it sends are packed (--wire-encoding; the receiver reads any)."""
 
     def __init__(self, read, write, close, protocol: str = "", budget: ByteBudget | None = None,
-                 frame_timeout: float = FRAME_TIMEOUT, reset=None) -> None:
+                 frame_timeout: float = FRAME_TIMEOUT, reset=None, encoding: str = DEFAULT_ENCODING) -> None:
         self._read, self._write, self._close, self._reset = read, write, close, reset
-        self.protocol = protocol
+        self.protocol, self.encoding = protocol, encoding
         self.peer = ""  # the peer at the other end, where known
         self.budget, self.frame_timeout = budget, frame_timeout
         self.largest = 0  # the largest cost of a frame begun on this channel
@@ -62,9 +63,9 @@ class Channel:
         self._send_lock = trio.Lock()
 
     @classmethod
-    def over_libp2p(cls, stream, protocol: str = "libp2p") -> "Channel":
+    def over_libp2p(cls, stream, protocol: str = "libp2p", encoding: str = DEFAULT_ENCODING) -> "Channel":
         return cls(stream.read, stream.write, stream.close, protocol,
-                   reset=lambda linger: reset_stream(stream, linger))
+                   reset=lambda linger: reset_stream(stream, linger), encoding=encoding)
 
     @classmethod
     def over_trio(cls, stream: trio.abc.Stream, protocol: str = "control") -> "Channel":
@@ -75,7 +76,7 @@ class Channel:
         py-libp2p encrypts a Noise message before it writes it, so a write cancelled half-way leaves the
         connection's nonces out of step and kills the connection, every other stream on it too (seen in
         the relay: a circuit cut mid-write took down the relay's connection to the target)."""
-        await self.send_bytes(encode(msg))
+        await self.send_bytes(encode(msg, self.encoding))
 
     async def send_bytes(self, data: bytes) -> None:
         """Write bytes already framed (or, in tests, deliberately not), as `send` writes a frame."""

@@ -25,6 +25,7 @@ from meshd.p2p.addrs import is_circuit, parse_circuit, relay_of, split_addrs, st
 from meshd.p2p.channel import Channel
 from meshd.p2p.connections import forget_failed_dials, is_connected, relayed_peers
 from meshd.p2p.race import race
+from meshd.wire import DEFAULT_ENCODING
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 DIAL_STAGGER_S = 1.0  # a peer with circuit addresses: the next way is tried after this (or a failure)
@@ -46,19 +47,20 @@ def circuit_rank(addr: str, connected: set[str], latency: Mapping[str, float]) -
 
 class Dialer:
     def __init__(self, host, circuit, latency: Callable[[], Mapping[str, float]] = dict,
-                 known: Callable[[], Mapping] = dict) -> None:
+                 known: Callable[[], Mapping] = dict, encoding: str = DEFAULT_ENCODING) -> None:
         """`circuit(host, addr)`: a connection through the (connected) relay a circuit address names (the
         relay room's `dial_circuit`, handed in so that p2p, below the relay, imports nothing of it);
         `latency()`: peer id -> measured round trip (seconds); `known()`: peer id -> its record (anything
-        with `addrs` and `relay_addrs`), the peers of this mesh."""
+        with `addrs` and `relay_addrs`), the peers of this mesh; `encoding`: how shard streams it opens pack
+        the tensors they send (--wire-encoding)."""
         self.host = host
-        self.latency, self.known, self.circuit = latency, known, circuit
+        self.latency, self.known, self.circuit, self.encoding = latency, known, circuit, encoding
         self._locks: dict[str, trio.Lock] = {}
 
     async def dial_shard(self, peer_id: str, addrs) -> Channel:
         """A new shard stream to a peer (a session's next hop)."""
         stream = await self.open_stream(peer_id, addrs, SHARD_PROTOCOL)
-        return Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+        return Channel.over_libp2p(stream, str(SHARD_PROTOCOL), self.encoding)
 
     async def open_stream(self, peer_id: str, addrs, protocol):
         """A new stream to a peer. A connection py-libp2p has just closed (trimmed, reset) can still be
