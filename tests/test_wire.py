@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import msgpack
 import numpy as np
+import trio
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -303,22 +304,36 @@ def test_chunk_spans_cover_prompt():
 
 
 def test_chunk_size_and_encoding_come_from_the_daemon_s_settings(monkeypatch):
-    """MESHD_CHUNK_TOKENS and MESHD_WIRE_ENCODING are read by the settings, once; the wire reads no environment."""
+    """MESHD_CHUNK_TOKENS and MESHD_WIRE_ENCODING are read by the settings, once, and travel as values: the
+    wire keeps no process-wide size or encoding, a channel packs as it was built to, a chunk is as long as
+    its caller says."""
     from meshd.core.settings import load_settings
-    from meshd.node.wiring import configure
+    from meshd.node.wiring import chunk_size, intake, wire_encoding
+    from meshd.p2p.channel import Channel
 
-    monkeypatch.setattr("meshd.wire.chunks._chunk_tokens", w.chunk_tokens())  # both restored after the test
-    monkeypatch.setattr("meshd.wire.codec._encoding", "raw")
     monkeypatch.setenv("MESHD_CHUNK_TOKENS", "16")
     monkeypatch.setenv("MESHD_WIRE_ENCODING", "zstd")
-    assert w.chunk_tokens() == 128  # the environment alone changes nothing
-    configure(load_settings({}, config_file="/dev/null"))
-    assert w.chunk_tokens() == 16 and len(w.chunk_spans(40)) == 3
+    s = load_settings({}, config_file="/dev/null")
+    assert (chunk_size(s), wire_encoding(s)) == (16, "zstd")
+    assert len(w.chunk_spans(40, chunk_size(s))) == 3 and (intake(s).chunk_tokens, intake(s).encoding) == (16, "zstd")
+    assert not hasattr(w, "set_chunk_tokens") and not hasattr(w, "set_default_encoding")
     t = w.Tensor.from_numpy("hidden", np.zeros((1, 64), dtype=np.float32))
     frame = w.Forward(session_id=b"s" * 16, epoch=0, step=0, phase=w.Phase.DECODE, position=0, tensors=(t,))
-    assert len(w.encode(frame)) < len(w.encode(frame, encoding="raw")) - 128  # zeros compress: zstd is on
+    sent = []
+
+    async def write(data):
+        sent.append(data)
+
+    zstd = Channel(None, write, None, encoding=wire_encoding(s))
+    trio.run(zstd.send, frame)
+    assert len(sent[0]) < len(w.encode(frame, "raw")) - 128 == len(w.encode(frame)) - 128  # zeros compress
     with pytest.raises(ValueError):
-        w.set_default_encoding("gzip")
+        w.encode(frame, "gzip")
+    with pytest.raises(ValueError):
+        w.chunk_spans(40, 0)
+    monkeypatch.setenv("MESHD_CHUNK_TOKENS", "0")
+    with pytest.raises(ValueError, match="--chunk-tokens"):
+        chunk_size(load_settings({}, config_file="/dev/null"))
 
 
 def test_prefill_assembler_checks_order_and_total():

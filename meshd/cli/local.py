@@ -13,10 +13,12 @@ from meshd.shard import blocks
 from meshd.shard.sampler import SamplingParams
 
 
-def run_local(args) -> int:
+def run_local(args, settings) -> int:
+    """`settings`: the daemon's settings as flags, MESHD_* and the config file give them here."""
     from meshd.shard.tokenizer import TextStream, encode_prompt, load_tokenizer
 
-    pipeline = LocalPipeline(args.model, args.split, args.recipe)
+    pipeline = LocalPipeline(args.model, args.split, args.recipe, chunk_tokens=settings.chunk_tokens,
+                             encoding=settings.wire_encoding, cache=settings.cache_dir or None)
     blocks.divide_threads(args.threads or len(os.sched_getaffinity(0)), pipeline.recipe)
     tokenizer = load_tokenizer(pipeline.artifact)
     ids = encode_prompt(tokenizer, args.prompt, args.chat)

@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshd.node.wiring import configure
 
             # the settings of the parts below (wire, cache) as a daemon here has them: flags, MESHD_*, config file
-            configure(load_settings({name: getattr(args, name) for name in LOCAL_SETTINGS},
-                                    args.config if hasattr(args, "config") else None))
-            return run_local(args)
+            settings = load_settings({name: getattr(args, name) for name in LOCAL_SETTINGS},
+                                     args.config if hasattr(args, "config") else None)
+            configure(settings)
+            return run_local(args, settings)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as exc:

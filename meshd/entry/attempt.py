@@ -25,8 +25,8 @@ from meshd.entry.state import Generation
 from meshd.hop.endpoint import token_frame
 from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
-from meshd.wire import (Error, ErrorCode, Forward, HandedOver, Heartbeat, Leaving, Message, Phase, Token, WireError,
-                        chunk_spans)
+from meshd.wire import (DEFAULT_CHUNK_TOKENS, Error, ErrorCode, Forward, HandedOver, Heartbeat, Leaving, Message,
+                        Phase, Token, WireError, chunk_spans)
 
 STEP_TIMEOUT = 60.0  # the longest a step may take on hops that answer their liveness pings
 HEARTBEAT_S = 0.25  # how often the entry pings each hop of a running generation
@@ -54,8 +54,10 @@ class Attempt:
     deadlines and the time it spends. Rule: one per generation and route, never shared, so
     concurrent generations cannot blame each other's hops or mix their stats."""
 
-    def __init__(self, service, generation: Generation, sid: bytes, epoch: int) -> None:
+    def __init__(self, service, generation: Generation, sid: bytes, epoch: int,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.service, self.generation, self.sid, self.epoch = service, generation, sid, epoch
+        self.chunk_tokens = chunk_tokens  # prompt tokens per prefill chunk (--chunk-tokens)
         self.hops: list[tuple[str, Channel]] = []
         self.forwards: list[bool] = []  # per hop: it sends its output to the next hop itself
         self.pending: dict[str, int] = {}  # frames a hop holds or will hold, not yet answered
@@ -252,7 +254,7 @@ class Attempt:
     async def prefill(self, ids, start: int = 0) -> int:
         """The prompt `ids` through the route from position `start` (its sessions hold the positions
         before it: kept KV), in chunks; the token after it."""
-        spans = [(a + start, b + start) for a, b in chunk_spans(len(ids) - start)]
+        spans = [(a + start, b + start) for a, b in chunk_spans(len(ids) - start, self.chunk_tokens)]
         token = None
         for ci, (a, b) in enumerate(spans):
             token = await self.step(0, Phase.PREFILL, a, ids[a:b], (ci, len(spans)))
@@ -265,7 +267,7 @@ class Attempt:
         sampling draws from the position, so it is the token the lost route would have given). They
         go as decode frames of prefill-sized chunks, whose positions every hop computes as the decode
         steps they first were (`Phase.DECODE`), so the pause does not grow with the text so far."""
-        spans = chunk_spans(len(tokens))
+        spans = chunk_spans(len(tokens), self.chunk_tokens)
         outs = []  # the token after each chunk; all chunks are sent at once (they pipeline down the route)
         for i, (a, b) in enumerate(spans):
             local = await self.submit(a + 1, Phase.DECODE, position + a, list(tokens[a:b]),

@@ -60,10 +60,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class DraftModel:
     """The whole draft model, loaded once per daemon; `session()` gives a generation its drafts."""
 
-    def __init__(self, spec: str, model_tokenizer, kv_budget_bytes: int = DRAFT_KV_BUDGET) -> None:
+    def __init__(self, spec: str, model_tokenizer, kv_budget_bytes: int = DRAFT_KV_BUDGET, cache=None) -> None:
+        """`cache`: the daemon's cache directory (--cache-dir; None: the default)."""
         from meshd.shard.tokenizer import load_tokenizer
 
-        artifact = open_artifact(spec)
+        artifact = open_artifact(spec, cache)
         why = vocabulary_difference(model_tokenizer.get_vocab(), load_tokenizer(artifact).get_vocab())
         if why is not None:
             raise DraftRefused(f"--draft {spec}: its tokenizer's vocabulary differs from the mesh model's ({why});"

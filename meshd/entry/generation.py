@@ -29,6 +29,7 @@ import time
 
 import trio
 
+from meshd.core.settings import default
 from meshd.entry.affinity import Affinity
 from meshd.entry.attempt import first_token
 from meshd.entry.checks import Check, Exclusions, chosen
@@ -57,9 +58,11 @@ class Entry:
     [0, `end`)), the tokenizer, and the mesh view it plans routes on."""
 
     def __init__(self, service, tokenizer, config, model_fp: str, recipe_fp: str, mesh, open_stream, *,
-                 end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True, microbatches: int = 2,
-                 speculate: bool = True, draft_max: int = DRAFT_MAX, draft_model=None, ledger=None,
-                 verify_rate: float = 0.0, exclusions: Exclusions | None = None, prefix_ttl_s: float = 0.0) -> None:
+                 end: int, busy_wait_s: float = BUSY_WAIT_S, forwarding: bool = True,
+                 microbatches: int = default("microbatches"), speculate: bool = True, draft_max: int = DRAFT_MAX,
+                 draft_model=None, ledger=None, verify_rate: float = 0.0, exclusions: Exclusions | None = None,
+                 prefix_ttl_s: float = 0.0, chunk_tokens: int = default("chunk_tokens"),
+                 encoding: str = default("wire_encoding")) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.mesh, self.end, self.busy_wait_s = mesh, end, busy_wait_s
         self.speculate, self.draft_max = speculate, draft_max  # drafts, at most so many a step
@@ -74,7 +77,8 @@ class Entry:
         self.routes = Routes(service, mesh, open_stream, end=end, model_fp=model_fp, recipe_fp=recipe_fp,
                              forwarding=forwarding, microbatches=microbatches, microbatch_use=self.microbatch_use,
                              exclusions=self.exclusions,  # plans and opens this range's routes
-                             affinity=Affinity(prefix_ttl_s) if prefix_ttl_s > 0 else None)
+                             affinity=Affinity(prefix_ttl_s) if prefix_ttl_s > 0 else None,
+                             chunk_tokens=chunk_tokens, encoding=encoding)
         self.decoding = Decoding(service, self.microbatch_use, speculate, draft_max)  # a try's decode loop
         self.lockstep = Lockstep(mesh.peer_id, end, self.routes, self.exclusions, self._unchecked)  # checked ones
 

@@ -21,7 +21,8 @@ from meshd.shard.artifact import open_artifact
 from meshd.shard.recipe import Recipe, get_recipe
 from meshd.shard.runtime import Shard
 from meshd.shard.sampler import SamplingParams
-from meshd.wire import Close, Decoder, Error, Message, Opened, Phase, Token, chunk_spans, encode
+from meshd.wire import (DEFAULT_CHUNK_TOKENS, DEFAULT_ENCODING, Close, Decoder, Error, Message, Opened, Phase, Token,
+                        chunk_spans, encode)
 
 log = get_logger(__name__)
 
@@ -42,8 +43,12 @@ def parse_split(split: str, n_layers: int) -> list[tuple[int, int]]:
 class LocalPipeline:
     """Shards of one model in one process, chained through encoded frames."""
 
-    def __init__(self, model: str, split: str = "", recipe: Recipe | str = "auto") -> None:
-        self.artifact = open_artifact(model)
+    def __init__(self, model: str, split: str = "", recipe: Recipe | str = "auto", *,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, encoding: str = DEFAULT_ENCODING, cache=None) -> None:
+        """`chunk_tokens`, `encoding`, `cache`: --chunk-tokens, --wire-encoding and the cache directory, as a
+        daemon here would have them."""
+        self.chunk_tokens, self.encoding = chunk_tokens, encoding
+        self.artifact = open_artifact(model, cache)
         self.recipe = get_recipe(recipe, self.artifact) if isinstance(recipe, str) else recipe
         self.recipe_fp = self.recipe.fingerprint(self.artifact.fingerprint, self.artifact.config.adapter,
                                                  "artifact")
@@ -52,7 +57,7 @@ class LocalPipeline:
                                         self.recipe_fp) for a, b in self.ranges]
 
     def _hop(self, endpoint: ShardEndpoint, msg: Message) -> Message | None:
-        decoded = Decoder().feed(encode(msg))
+        decoded = Decoder().feed(encode(msg, self.encoding))
         replies = endpoint.handle(decoded[0])
         for reply in replies:
             if isinstance(reply, Error):
@@ -109,7 +114,7 @@ class LocalPipeline:
                                                       gen.max_length, sampling, rope_table=gen.rope_table))
             assert isinstance(opened, Opened)
         ids = gen.prefill_ids
-        spans = chunk_spans(len(ids))
+        spans = chunk_spans(len(ids), self.chunk_tokens)
         reply = None
         for ci, (a, b) in enumerate(spans):
             reply = self._through(token_frame(sid, epoch, 0, Phase.PREFILL, a, ids[a:b], ci, len(spans)))

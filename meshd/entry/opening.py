@@ -32,7 +32,8 @@ from meshd.entry.state import Generation, open_session
 from meshd.core.log import get_logger
 from meshd.p2p.channel import Channel, ChannelClosed
 from meshd.shard import prefix
-from meshd.wire import AcceptKV, Close, Error, ErrorCode, HandOver, Heartbeat, Opened, WireError
+from meshd.wire import (DEFAULT_CHUNK_TOKENS, DEFAULT_ENCODING, AcceptKV, Close, Error, ErrorCode, HandOver, Heartbeat,
+                        Opened, WireError)
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 OPEN_TIMEOUT = 30.0  # the longest opening a session (dial, negotiation, answer) or the link to the first hop may take
@@ -67,8 +68,10 @@ class Routes:
 
     def __init__(self, service, mesh, open_stream, *, end: int, model_fp: str, recipe_fp: str, forwarding: bool,
                  microbatches: int, microbatch_use: Microbatches, exclusions: Exclusions,
-                 affinity: Affinity | None = None) -> None:
+                 affinity: Affinity | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 encoding: str = DEFAULT_ENCODING) -> None:
         self.service, self.mesh, self.open_stream, self.end = service, mesh, open_stream, end
+        self.chunk_tokens, self.encoding = chunk_tokens, encoding  # --chunk-tokens, --wire-encoding
         self.model_fp, self.recipe_fp = model_fp, recipe_fp
         self.affinity = affinity  # which route holds which prefix's KV (None: no prefix reuse)
         self.forwarding = forwarding  # ask hops to pass hidden states on themselves (else the entry relays)
@@ -120,7 +123,7 @@ class Routes:
                      " and compute it anew", positions=len(gen.prefill_ids), switch=gen.switch,
                      generated=len(gen.tokens))
         sid = os.urandom(16)
-        at = Attempt(self.service, gen, sid, epoch)
+        at = Attempt(self.service, gen, sid, epoch, self.chunk_tokens)
         reuse = self.affinity is not None and gen.reuse
         asked = prefix.pack(gen.prefix_asked(self.root(gen))) if reuse else b""
         daemons = len(route.hops) + 1
@@ -215,7 +218,7 @@ class Routes:
         kept = 0
         with trio.fail_after(OPEN_TIMEOUT):  # one stream to the replica for every round's AcceptKV
             replica = Channel.over_libp2p(await self.open_stream(target.peer_id, target.addrs, SHARD_PROTOCOL),
-                                          str(SHARD_PROTOCOL))
+                                          str(SHARD_PROTOCOL), self.encoding)
         try:
             for _ in range(HANDOVER_ROUNDS):
                 held = gen.prefix_held(self.root(gen))  # whole blocks of the positions every hop has computed by now
@@ -279,7 +282,7 @@ class Routes:
             with trio.fail_after(OPEN_TIMEOUT):
                 if channel is None:
                     stream = await self.open_stream(hop.peer_id, hop.addrs, SHARD_PROTOCOL)
-                    channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL))
+                    channel = Channel.over_libp2p(stream, str(SHARD_PROTOCOL), self.encoding)
                 await channel.send(self._open_msg(sid, epoch, hop.start, hop.end, req, gen, sampling, nxt, microbatch,
                                                   asked))
                 reply = await _answer_of_a_live_hop(channel, sid)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshd.core.settings import default
 from meshd.entry.errors import BUSY_RETRY_S, GenerationError, HopFailed
 from meshd.wire import ErrorCode
 
 MAX_ATTEMPTS = 3  # routes tried after hop failures (busy hops do not count)
 MAX_UNREACHED = 8  # hops that could not even be reached to open a session (a peer that just died, its record
 # not yet lapsed): they do not count as attempts, each is left out of later routes, and so many end the generation
-BUSY_WAIT_S = 30.0  # how long a generation waits for a full mesh before "mesh busy"
+BUSY_WAIT_S = default("busy_wait")  # how long a generation waits for a full mesh before "mesh busy"
 LOAD_WEIGHT_S = 0.1  # an entry whose KV is all in use ranks as if 100 ms further away
 UNMEASURED_S = 0.05  # the latency assumed for an entry never measured
 LAPSE_POLL_S = 1.0  # how often a generation waiting on a lapsed record looks at the mesh again

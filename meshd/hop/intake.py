@@ -21,7 +21,7 @@ from meshd.hop.admission import PEER_SHARE, busy
 from meshd.p2p.budget import ByteBudget, Held
 from meshd.p2p.channel import FRAME_TIMEOUT, Channel
 from meshd.shard.footprint import trim_heap
-from meshd.wire import DEFAULT_ENCODING, Error, OpenSession
+from meshd.wire import DEFAULT_CHUNK_TOKENS, DEFAULT_ENCODING, Error, OpenSession
 from meshd.wire.protocols import SHARD_PROTOCOL
 
 IDLE_TIMEOUT = default("stream_idle")
@@ -46,6 +46,7 @@ class Intake:
     idle_timeout: float = IDLE_TIMEOUT
     peer_share: float = PEER_SHARE  # of the sessions and KV, what one peer may hold (meshd/hop/admission.py)
     encoding: str = DEFAULT_ENCODING  # how the frames sent back on these streams pack their tensors
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # this daemon's prefill chunk: a frame may carry so many positions
     streams: Counter = field(default_factory=Counter)  # peer -> shard streams open now
     queued: Counter = field(default_factory=Counter)  # peer -> its Forward frames waiting for compute here
     trims_due: int = 0  # heap trims `trim_loop` still owes the last burst

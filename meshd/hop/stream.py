@@ -25,7 +25,7 @@ from meshd.core.log import get_logger
 from meshd.p2p.budget import Held
 from meshd.p2p.channel import Channel, ChannelClosed, FrameStalled
 from meshd.wire import (Error, ErrorCode, Forward, ForwardBatch, Heartbeat, Hello, Message, OpenSession,
-                        UnsupportedVersion, WireError, chunk_tokens)
+                        UnsupportedVersion, WireError)
 
 WORK_QUEUE = 256  # frames read ahead of the compute thread on one stream (their bytes are bounded by the budget)
 TRIM_AFTER = 16 << 20  # a stream that took a frame this big hands the freed heap back when it ends
@@ -126,15 +126,15 @@ async def _read(service, intake: Intake, channel: Channel, work_send: trio.Memor
                 raise
 
 
-def max_positions(service) -> int:
+def max_positions(service, chunk_tokens: int) -> int:
     """Positions one Forward frame may carry here: a pass's token budget (or the prefill chunk size
     this daemon was given, if larger), whoever sends it, so that no frame holds a pass for long."""
-    return max(service.scheduler.token_budget, chunk_tokens())
+    return max(service.scheduler.token_budget, chunk_tokens)
 
 
-def _too_long(service, frame: Forward) -> Error | None:
+def _too_long(service, frame: Forward, chunk_tokens: int) -> Error | None:
     shape = frame.tensors[0].shape if frame.tensors else ()
-    rows, most = (shape[1] if len(shape) >= 2 else 1), max_positions(service)
+    rows, most = (shape[1] if len(shape) >= 2 else 1), max_positions(service, chunk_tokens)
     if rows <= most:
         return None
     return Error(code=ErrorCode.BAD_FRAME, session_id=frame.session_id,
@@ -146,7 +146,7 @@ def _refusal(service, intake: Intake, peer: str, msg: Message) -> Error | None:
     pass or past this peer's share of the queue, a session the daemon (or this peer's share) has
     no room for."""
     if isinstance(msg, Forward):
-        refusal = _too_long(service, msg) or intake.enqueue(service, peer)
+        refusal = _too_long(service, msg, intake.chunk_tokens) or intake.enqueue(service, peer)
         return replace(refusal, session_id=msg.session_id) if refusal is not None else None
     if isinstance(msg, OpenSession):
         return intake.admission(service, peer, msg)

@@ -312,7 +312,8 @@ class Daemon:
                                speculate=s.speculate_on, draft_max=s.draft_max, draft_model=self.draft_model,
                                ledger=self.ledger,
                                verify_rate=wiring.verify_share(s), exclusions=self.exclusions,
-                               prefix_ttl_s=s.prefix_ttl)
+                               prefix_ttl_s=s.prefix_ttl, chunk_tokens=wiring.chunk_size(s),
+                               encoding=wiring.wire_encoding(s))
         slot.service.nursery = self.nursery
         old, self.slot = self.slot, slot
         return old

@@ -50,6 +50,6 @@ async def open_draft(settings: Settings, artifact, compute: ComputeExecutor, fix
         from meshd.entry.draftmodel import DraftModel
         from meshd.shard.tokenizer import load_tokenizer
 
-        return DraftModel(settings.draft, load_tokenizer(artifact))
+        return DraftModel(settings.draft, load_tokenizer(artifact), cache=settings.cache_dir or None)
 
     return await compute.run(load)

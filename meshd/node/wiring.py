@@ -1,13 +1,12 @@
 """What the node builds from its settings (meshd/core/settings.py declares them): the limits on other
-daemons' shard streams, a relay's limits, a private mesh's key, the share of generations checked, and the
-choices the kernel, the wire and the artifact cache still hold process-wide.
+daemons' shard streams, a relay's limits, a private mesh's key, the share of generations checked, the
+wire's encoding and chunk size, and the block kernel's two process-wide choices.
 
-Rule: a bad value is refused here, by the flag's name, before anything starts. Why some choices are
-process-wide: the block kernel's instruction set is the C extension's state (a process runs one kernel);
-the weight layout is read while weights load, deep in the shard's loaders; the wire encoding, the
-prefill chunk size and the cache directory are read by the p2p channel, the entry and the tokenizer,
-which do not take them as values yet. Each of these parts takes its value as an argument too
-(`encode(msg, encoding)`, `chunk_spans(n, size)`), so the globals go once every caller passes them.
+Rule: a bad value is refused here, by the flag's name, before anything starts. Everything else travels
+as a value (the channels' encoding, the entry's and the intake's chunk size, the artifact's cache
+directory). What stays process-wide and why: the block kernel's instruction set is the C extension's
+own state (a process runs one kernel), and the weights' layout is the same kind of choice, read where a
+weight is packed, deep in the shard's loaders; both give the same bits whatever they are.
 """
 
 from __future__ import annotations
@@ -24,16 +23,30 @@ from meshd.relay.policy import RelayLimits
 
 
 def configure(s: Settings) -> None:
-    """Hand the parts below the node the settings they still hold process-wide: they read no environment
-    themselves."""
+    """Set the block kernel's two process-wide choices (its instruction set, the weights' layout); they
+    read no environment themselves. The wire's encoding and chunk size are checked here too."""
     from meshd.shard import blocks  # torch comes with it: only a daemon or `meshd local` pays for it
 
     if s.kernel_isa:
         blocks.limit_isa(s.kernel_isa)
     if s.kernel_layout != "auto":
         blocks.set_layout(s.kernel_layout)
-    wire.set_default_encoding(s.wire_encoding)
-    wire.set_chunk_tokens(s.chunk_tokens)
+    wire_encoding(s)
+    chunk_size(s)
+
+
+def wire_encoding(s: Settings) -> str:
+    """How this daemon's channels pack the tensors they send (--wire-encoding)."""
+    if s.wire_encoding not in wire.ENCODINGS:
+        raise ValueError(f"--wire-encoding must be raw, zstd or auto, not {s.wire_encoding!r}")
+    return s.wire_encoding
+
+
+def chunk_size(s: Settings) -> int:
+    """Prompt tokens per prefill chunk (--chunk-tokens, at least 1)."""
+    if s.chunk_tokens < 1:
+        raise ValueError(f"--chunk-tokens: the prefill chunk size must be at least 1 token, not {s.chunk_tokens}")
+    return s.chunk_tokens
 
 
 def intake(s: Settings) -> Intake:
@@ -44,7 +57,7 @@ def intake(s: Settings) -> Intake:
     if not 0 < s.peer_share <= 1:
         raise ValueError(f"--peer-share must be in (0, 1], not {s.peer_share}")
     return Intake(ByteBudget(s.frame_budget_mb << 20, s.peer_frame_mb << 20), s.streams_per_peer,
-                  s.frame_timeout, s.stream_idle, s.peer_share, encoding=s.wire_encoding)
+                  s.frame_timeout, s.stream_idle, s.peer_share, encoding=s.wire_encoding, chunk_tokens=chunk_size(s))
 
 
 def verify_share(s: Settings) -> float:

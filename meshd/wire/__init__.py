@@ -4,8 +4,8 @@
 a thin adapter elsewhere moves the bytes over a stream.
 """
 
-from meshd.wire.chunks import DEFAULT_CHUNK_TOKENS, PrefillAssembler, chunk_spans, chunk_tokens, set_chunk_tokens
-from meshd.wire.codec import DEFAULT_ENCODING, ENCODINGS, Decoder, Limits, decode_frame, encode, set_default_encoding
+from meshd.wire.chunks import DEFAULT_CHUNK_TOKENS, PrefillAssembler, chunk_spans
+from meshd.wire.codec import DEFAULT_ENCODING, ENCODINGS, Decoder, Limits, decode_frame, encode
 from meshd.wire.errors import (ChecksumMismatch, ChunkOrderError, FrameTooLarge, MalformedFrame,
                                TruncatedFrame, UnsupportedVersion, WireError)
 from meshd.wire.messages import (MAX_BATCH_FRAMES, MESSAGE_TYPES, PROTOCOL_VERSION, AcceptKV, Cancel, Close,
@@ -20,6 +20,6 @@ __all__ = [
     "DrainRequest", "Error", "ErrorCode", "Forward", "ForwardBatch", "FrameTooLarge", "HandOver", "HandedOver",
     "KVChunk", "Leaving", "GenerateRequest", "Heartbeat", "Hello", "LedgerRequest", "Limits", "MalformedFrame",
     "Message", "MsgType", "OpenSession", "Opened", "Phase", "PrefillAssembler", "StatusRequest", "StreamEvent",
-    "Tensor", "Token", "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans", "chunk_tokens",
-    "decode_frame", "encode", "set_chunk_tokens", "set_default_encoding",
+    "Tensor", "Token", "TruncatedFrame", "UnsupportedVersion", "WireError", "chunk_spans",
+    "decode_frame", "encode",
 ]

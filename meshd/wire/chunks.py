@@ -12,27 +12,11 @@ from meshd.wire.messages import Forward
 
 DEFAULT_CHUNK_TOKENS = default("chunk_tokens")
 
-# Process-wide only until every caller passes its size to `chunk_spans` (the entry and the hop's
-# stream do not yet): the daemon's --chunk-tokens, set once at start by `Settings.configure`.
-_chunk_tokens = DEFAULT_CHUNK_TOKENS
-
-
-def set_chunk_tokens(value: int) -> None:
-    """The prefill chunk size from now on (the daemon's --chunk-tokens, set once at start)."""
-    global _chunk_tokens
-    if int(value) < 1:
-        raise ValueError(f"the prefill chunk size must be at least 1 token, not {value}")
-    _chunk_tokens = int(value)
-
-
-def chunk_tokens() -> int:
-    """The prefill chunk size (128 unless set)."""
-    return _chunk_tokens
-
-
-def chunk_spans(n_tokens: int, size: int | None = None) -> list[tuple[int, int]]:
-    """[start, end) offsets of consecutive chunks of at most `size` tokens covering n_tokens."""
-    size = size or chunk_tokens()
+def chunk_spans(n_tokens: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) offsets of consecutive chunks of at most `size` tokens covering n_tokens (`size`: the
+    entry's --chunk-tokens, passed by whoever prefills)."""
+    if size < 1:
+        raise ValueError(f"the prefill chunk size must be at least 1 token, not {size}")
     return [(s, min(s + size, n_tokens)) for s in range(0, n_tokens, size)]
 
 

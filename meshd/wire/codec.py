@@ -59,23 +59,6 @@ class Limits:
         return self.max_header + self.max_payload
 
 
-# Process-wide only until every caller passes its encoding to `encode` (p2p/channel.py does not yet):
-# the daemon's --wire-encoding, set once at start by `Settings.configure`.
-_encoding: Encoding = DEFAULT_ENCODING
-
-
-def set_default_encoding(value: str) -> None:
-    """How `encode` packs tensors when not told (the daemon's --wire-encoding, set once at start)."""
-    global _encoding
-    if value not in ENCODINGS:
-        raise ValueError(f"the wire encoding must be raw, zstd or auto, not {value!r}")
-    _encoding = value  # type: ignore[assignment]
-
-
-def default_encoding() -> Encoding:
-    return _encoding
-
-
 _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 
 
@@ -88,9 +71,11 @@ def _wire_bytes(tensor: Tensor, encoding: Encoding) -> tuple[str, bytes]:
     return "raw", tensor.data
 
 
-def encode(msg: Message, encoding: Encoding | None = None) -> bytes:
-    """The bytes of one frame carrying `msg`; tensors go raw, zstd, or zstd only where it pays."""
-    encoding = encoding or default_encoding()
+def encode(msg: Message, encoding: Encoding = DEFAULT_ENCODING) -> bytes:
+    """The bytes of one frame carrying `msg`; tensors go raw, zstd, or zstd only where it pays (`encoding`:
+    the sender's --wire-encoding, which its channel carries)."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"the wire encoding must be raw, zstd or auto, not {encoding!r}")
     values = _header_values(msg)
     descriptors, chunks = [], []
     for tensor in msg.tensors:
