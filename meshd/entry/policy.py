@@ -61,7 +61,8 @@ class Retries:
     epoch: int = 0
     reroutes: int = 0
     refreshed: bool = False
-    lapse_wait_s: float = 9.0  # how long after the first "no route" a lapsed record is waited for (one TTL)
+    lapse_wait_s: float = default("record_ttl")  # how long after the first "no route" a lapsed record is waited for
+    # (one record TTL)
     lapse_deadline: float | None = None
 
     def look_again(self, exc: GenerationError, lapsed: set[str], now: float) -> float | None:

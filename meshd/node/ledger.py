@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from meshd.core.log import get_logger
+from meshd.core.settings import default
 
 log = get_logger(__name__)
 DAY_S = 86400.0
@@ -58,7 +59,7 @@ def layer_tokens(routes: list[tuple[list, int]], me: str) -> dict[str, int]:
 class Ledger:
     """The ledger of one daemon; every method is safe from any thread and never raises."""
 
-    def __init__(self, path: Path | str | None, days: float = 30.0, clock=time.time) -> None:
+    def __init__(self, path: Path | str | None, days: float = default("ledger_days"), clock=time.time) -> None:
         self.path, self.days, self.clock = path, days, clock
         self._lock = threading.Lock()
         self.db: sqlite3.Connection | None = None
