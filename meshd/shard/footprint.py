@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshd.shard import blocks, quant, rope
+from meshd.shard.families import FAMILIES
 
 STAGING_BYTES_PER_CODE = 6
 
@@ -62,8 +63,6 @@ def _globals(family, artifact) -> dict[str, str]:
 
 def layer_bytes(artifact, recipe, i: int) -> int:
     """Bytes one layer holds under this recipe."""
-    from meshd.shard.runtime import FAMILIES
-
     family = FAMILIES[artifact.config.family]
     names = family.tensor_names(artifact.kind, artifact.config, i)
     return sum(_tensor_bytes(artifact, n, recipe, "matrix" if len(artifact.tensor_shape(n)) >= 2 else "vector")
@@ -73,8 +72,6 @@ def layer_bytes(artifact, recipe, i: int) -> int:
 def weight_bytes(artifact, recipe, start: int, end: int) -> int:
     """Bytes of weights a shard over [start, end) holds: its layers, the embedding at the head,
     the final norm and LM head at the tail (a tied LM head on a shard that is both is the table itself)."""
-    from meshd.shard.runtime import FAMILIES
-
     family, cfg = FAMILIES[artifact.config.family], artifact.config
     total = sum(layer_bytes(artifact, recipe, i) for i in range(start, end))
     total += sum(4 * artifact.tensor_elements(n) for n in rope.tensor_names(cfg.rope_scaling))  # every hop's
@@ -93,8 +90,6 @@ def weight_bytes(artifact, recipe, start: int, end: int) -> int:
 
 def owned_artifact_bytes(artifact, start: int, end: int) -> int:
     """Bytes the artifact stores for what a shard owns (the yardstick of the memory goal)."""
-    from meshd.shard.runtime import FAMILIES
-
     family, cfg = FAMILIES[artifact.config.family], artifact.config
     names = [n for i in range(start, end) for n in family.tensor_names(artifact.kind, cfg, i)]
     names += rope.tensor_names(cfg.rope_scaling)  # every hop that runs attention holds them

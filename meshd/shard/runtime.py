@@ -19,7 +19,8 @@ import torch
 
 from meshd.core.settings import default
 from meshd.core.log import get_logger
-from meshd.shard import gemma3, gpt2, llama, mixtral, phi3, qwen3, rope
+from meshd.shard import llama, rope
+from meshd.shard.families import FAMILIES
 from meshd.shard.artifact import Artifact
 from meshd.shard.footprint import trim_heap
 from meshd.shard.batch import PASS, run_jobs
@@ -44,7 +45,6 @@ class OpenedSession:
     table: int = rope.SHORT
 
 
-FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen3": qwen3, "mixtral": mixtral, "gemma3": gemma3, "phi3": phi3}
 DEFAULT_KV_BUDGET = default("kv_budget")
 log = get_logger(__name__)
 
