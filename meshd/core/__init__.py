@@ -1,2 +1,2 @@
-"""The bottom room: what every other room may use (logging, the compute executor); it imports
-nothing of meshd."""
+"""The bottom room: what every other room may use (logging, the compute executor, the settings' one
+declaration and their defaults); it imports nothing of meshd."""
