@@ -126,14 +126,20 @@ class HttpApi:
         log.info("http client disconnected; generation cancelled")
         scope.cancel()
 
-    async def _run(self, c: openai.Completion, on_text, on_call=None) -> tuple[dict, bool, list[toolcalls.Call]]:
+    async def _run(self, c: openai.Completion, on_text, on_call=None, on_check=None) -> tuple[dict, bool,
+                                                                                           list[toolcalls.Call]]:
         """Generate, passing stop-cut text to on_text and tool call events (`CallBegun`, `Arguments`) to
-        on_call; returns (stats, stopped by a stop sequence, the tool calls)."""
+        on_call, and a checked generation's news to on_check: ("verified", tokens checked) and ("retract",
+        characters of the text given so far that stand); returns (stats, stopped by a stop sequence, the tool
+        calls)."""
         scanner = openai.StopScanner(c.stop)
         splitter = toolcalls.CallSplitter(c.tools.fmt) if c.tools is not None and c.tools.may_call else None
         stats: dict = {"tokens": 0}
+        raw: list[str] = []  # the generation's text as it came (before stop sequences cut it)
+        given = 0  # characters of it given to on_text
 
         async def tell(events: list) -> None:
+            nonlocal given
             for e in events:
                 if not isinstance(e, toolcalls.Content):
                     if on_call is not None:
@@ -141,9 +147,32 @@ class HttpApi:
                     continue
                 piece = scanner.push(e.text)
                 if piece:
+                    given += len(piece)
                     await on_text(piece)
 
+        async def retract(keep: int) -> None:
+            """A check took back the text from character `keep` on: what was given past it is taken back, and
+            what stood but was held back (a stop sequence's possible start) is pushed again."""
+            nonlocal scanner, given, raw
+            if splitter is not None and splitter.calls:
+                raise GenerationError(ErrorCode.HOP_FAILED, "a check took back text that was given as a tool call:"
+                                      " ask again")
+            raw = ["".join(raw)[:keep]]
+            if keep < given and on_check is not None:
+                await on_check("retract", keep)
+            given = min(given, keep)
+            scanner = openai.StopScanner(c.stop)
+            await tell([toolcalls.Content(raw[0][given:])])
+
         async def emit(event: StreamEvent) -> None:
+            if event.kind == "verified":
+                if on_check is not None:
+                    await on_check("verified", event.stats.get("verified_through", 0))
+                return
+            if event.kind == "retract":
+                stats["tokens"] = event.stats.get("tokens", 0)
+                return await retract(int(event.stats.get("keep_chars", 0)))
+            raw.append(event.text)
             stats["tokens"] = event.stats.get("tokens", stats["tokens"] + 1)  # a text may hold several tokens
             for key in ("prompt_tokens", "cached_tokens"):  # the first text's: the usage of an answer a stop
                 if key in event.stats:  # sequence cut (the generation's own stats never come back then)
@@ -170,8 +199,12 @@ class HttpApi:
         async def collect(piece: str) -> None:
             parts.append(piece)
 
+        async def checked(news: str, n: int) -> None:
+            if news == "retract":  # the answer keeps the first n characters of what it was given
+                parts[:] = ["".join(parts)[:n]]
+
         try:
-            stats, stopped, calls = await self._run(c, collect)
+            stats, stopped, calls = await self._run(c, collect, on_check=checked)
         except GenerationError as exc:
             status, body = self._error(exc)
             # a full mesh: clients (the openai library among them) back off and retry on 429 + Retry-After
@@ -197,8 +230,21 @@ class HttpApi:
         if c.chat:  # an answer that may be tool calls has no content until text comes
             delta = {"role": "assistant", "content": None if c.tools is not None and c.tools.may_call else ""}
             await event(openai.chunk(c, "") | {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        async def checked(news: str, n: int) -> None:
+            """A checked generation's news, which OpenAI's stream has no place for: how far the text is checked as
+            an SSE comment (clients skip it); a retraction as an event of its own (`meshd.retract`: the characters
+            of the text streamed so far that stand; the text goes on from there)."""
+            if news == "verified":
+                await send({"type": "http.response.body", "body": f": verified_through {n}\n\n".encode(),
+                            "more_body": True})
+            else:
+                body = json.dumps({"keep_chars": n, "reason": "a check found the text after it wrong"})
+                await send({"type": "http.response.body", "body": f"event: meshd.retract\ndata: {body}\n\n".encode(),
+                            "more_body": True})
+
         try:
-            stats, stopped, calls = await self._run(c, lambda piece: event(openai.chunk(c, piece)), call_piece)
+            stats, stopped, calls = await self._run(c, lambda piece: event(openai.chunk(c, piece)), call_piece,
+                                                    checked)
             reason = openai.finish_reason(stopped, stats, c.request.max_tokens, called=bool(calls))
             await event(openai.chunk(c, None, reason, stats))
         except GenerationError as exc:

@@ -110,7 +110,9 @@ def fetch_status(path: Path, timeout: float = 10.0) -> dict:
 
 
 def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdout) -> tuple[int, dict, str]:
-    """Send one request, write its text to `out` as it arrives; (exit code, stats, text)."""
+    """Send one request, write its text to `out` as it arrives; (exit code, stats, text). A checked generation
+    whose text goes out at once may take some back (a `retract` event): it is said on stderr, and the text
+    that stands is written again on a new line, the rest following it, so that the last one is the answer."""
     conn = Connection(path)
     text = []
     try:
@@ -121,6 +123,13 @@ def stream_answer(path: Path, req: GenerateRequest, timeout: float, out=sys.stdo
                 out.write(event.text)
                 out.flush()
                 text.append(event.text)
+            elif event.kind == "retract":
+                kept = "".join(text)[:int(event.stats.get("keep_chars", 0))]
+                print(f"\nmeshctl: {event.text} (the first {event.stats.get('tokens', 0)} generated tokens stand);"
+                      " the text as it stands follows", file=sys.stderr)
+                out.write("\n" + kept)
+                out.flush()
+                text = [kept]
             elif event.kind == "done":
                 return 0, dict(event.stats), "".join(text)
             elif event.kind == "error":

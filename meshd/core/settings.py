@@ -124,6 +124,16 @@ class Settings:
     verify_rate: float = setting(0.05, "as an entry: share of generations also run on a second route of other"
                                        " daemons, a token given only when both routes agree (default {default};"
                                        " 0: none)")
+    verify_by: str = setting("prefill", "as an entry: how a checked generation is checked: prefill (default: a second"
+                                        " route recomputes each finished window of tokens in one pass, comparing"
+                                        " every hop's sketches) or lockstep (both routes decode every step)",
+                             choices=["prefill", "lockstep"])
+    verify_window: int = setting(16, "as an entry: tokens a check by prefill recomputes in one pass (default"
+                                     " {default})")
+    verify_release: str = setting("checked", "as an entry: when a checked generation's text goes out: checked"
+                                             " (default: once its window is checked, a window's latency) or at-once"
+                                             " (as it comes, with how far it is checked; a failed check retracts"
+                                             " it from the first wrong token)", choices=["checked", "at-once"])
     relay: str = setting("auto", "offer circuit relay to daemons that cannot be dialled: auto (default: while this"
                                  " daemon is publicly reachable), on, off", choices=["auto", "on", "off"])
     relays: int = setting(2, "relays this daemon reserves at when it cannot be dialled (default {default}; 0: none)")

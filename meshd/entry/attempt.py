@@ -251,15 +251,16 @@ class Attempt:
         async with self.service.decode_run(frame_of, token, steps, stop) as replies:
             yield tokens(replies)
 
-    async def prefill(self, ids, start: int = 0) -> int:
+    async def prefill(self, ids, start: int = 0, extra=()) -> int:
         """The prompt `ids` through the route from position `start` (its sessions hold the positions
-        before it: kept KV), in chunks; the token after it."""
+        before it: kept KV), in chunks; the token after it (`extra` tensors go with the last chunk)."""
         spans = [(a + start, b + start) for a, b in chunk_spans(len(ids) - start, self.chunk_tokens)]
-        token = None
+        reply = None
         for ci, (a, b) in enumerate(spans):
-            token = await self.step(0, Phase.PREFILL, a, ids[a:b], (ci, len(spans)))
-        assert token is not None
-        return token
+            reply = await self.advance(0, Phase.PREFILL, a, ids[a:b], (ci, len(spans)),
+                                       extra if ci == len(spans) - 1 else ())
+        assert reply is not None
+        return reply.token_id
 
     async def replay(self, tokens, position, extra=()) -> int:
         """Run the tokens generated before a reroute through the new route so that every hop computes
@@ -308,15 +309,18 @@ class Attempt:
             self.generation.wait_s += time.perf_counter() - t0
 
 
-async def first_token(at: Attempt, extra=()) -> int:
+async def first_token(at: Attempt, extra=(), generated: int | None = None) -> int:
     """The prompt through the route (on a longrope model's long table, with the tokens generated before it took
     over), then (after a reroute) the tokens so far: the token after them (`extra` tensors go with the last
-    replayed frame: a sketch request)."""
+    frame: a sketch request). `generated`: how many of the tokens so far (default all: another task may be
+    adding to them)."""
     gen = at.generation
     prefill, fed_back, start = gen.prefill_ids, gen.fed_back, gen.start_at
+    if generated is not None:
+        fed_back = fed_back[:max(0, generated - (gen.long_from or 0))]
     if start >= len(prefill):  # the route holds the prompt and some generated tokens (a hand-over's KV)
         return await at.replay(fed_back[start - len(prefill):], start, extra)
-    token = await at.prefill(prefill, start)  # from what every session of the route holds already
+    token = await at.prefill(prefill, start, () if fed_back else extra)  # from what every session holds already
     if fed_back:  # a replay after rerouting feeds back what was generated
         token = await at.replay(fed_back, len(prefill), extra)
     return token

@@ -23,6 +23,56 @@ EXCLUDE_MAX_S = 7 * 86400.0  # the longest one exclusion lasts
 FORGET_S = 86400.0  # a peer with no new exclusion for this long after its last one ends starts over
 
 
+BY = ("prefill", "lockstep")  # how a checked generation is checked (meshd/entry/windows.py, meshd/entry/lockstep.py)
+RELEASES = ("checked", "at-once")  # when its text goes out: once checked, or at once with how far it is checked
+
+
+@dataclass(frozen=True)
+class Checking:
+    """How an entry checks the generations it checks: `by` prefill (a second route recomputes each finished
+    window of `window` tokens in one pass) or lockstep (both routes decode every step); a prefill check's text
+    goes out once its window is checked (`release` "checked") or at once, with how far it is checked and a
+    retraction where a check fails ("at-once"). Refuses what it cannot run by the flag's name."""
+
+    by: str = "prefill"
+    window: int = 16
+    release: str = "checked"
+
+    def __post_init__(self) -> None:
+        if self.by not in BY:
+            raise ValueError(f"--verify-by must be one of {', '.join(BY)}, not {self.by!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or not 1 <= self.window <= 256:
+            raise ValueError(f"--verify-window must be a whole number of tokens from 1 to 256, not {self.window!r}")
+        if self.release not in RELEASES:
+            raise ValueError(f"--verify-release must be one of {', '.join(RELEASES)}, not {self.release!r}")
+
+
+def next_window(checked: int, made: int, size: int, finished: bool) -> tuple[int, int] | None:
+    """The tokens a check recomputes next, [from, to) of those generated: `size` of them once that many past
+    `checked` are made, the rest once the generation's try has finished; None: wait for more."""
+    if made - checked >= size:
+        return checked, checked + size
+    if finished and made > checked:
+        return checked, made
+    return None
+
+
+def first_wrong(tokens: list[int], sketches: list[dict], their_tokens: list[int | None], their_sketches: list[dict],
+                tol: float = sketch.TOLERANCE) -> tuple[int, tuple[int, int] | None] | None:
+    """The first row of a window where a check disagrees with the route that generated it, and the layers
+    [from, to) where the two routes' sketches of that row part (None: they agree, and only the tokens
+    differ); None when every row agrees. Row i: the first route's token and its hops' sketches of the step
+    that gave it, against the check's token there (None: not known, the check's tail stopped comparing
+    before it) and its hops' sketches of that row."""
+    for i, token in enumerate(tokens):
+        where = sketch.first_divergence(sketches[i], their_sketches[i], tol) if i < len(their_sketches) else None
+        if where is not None:
+            return i, where
+        if i < len(their_tokens) and their_tokens[i] is not None and their_tokens[i] != token:
+            return i, None
+    return None
+
+
 def chosen(rate: float, requested: bool, draw: float | None = None) -> bool:
     """Whether a generation is checked: asked for by the request, or drawn at `rate` (0: never)."""
     if requested:
@@ -176,6 +226,11 @@ class Check:
     disagreements: int = 0
     excluded: list[str] = field(default_factory=list)  # peers this generation excluded
     diverged: list = field(default_factory=list)  # per disagreement: the layers [from, to) the sketches located
+    by: str = "lockstep"  # how it is checked: lockstep, or prefill (windows of tokens recomputed in one pass)
+    seed: int = field(default_factory=lambda: random.getrandbits(62) + 1)  # its sketches' (every route's alike)
+    verified: int = 0  # generated tokens checked so far (by prefill: a prefix of them)
+    windows: list = field(default_factory=list)  # per window checked: its tokens, the check's route, the verdict
+    retracted: int = 0  # tokens whose text went out and was taken back (a check failed, or a route changed)
 
     @property
     def ran(self) -> bool:
@@ -190,4 +245,13 @@ class Check:
         """`verified`: every token came from two routes that agree, each layer on two daemons."""
         return {"checked": self.ran, "verified": self.ran and not self.unchecked and self.compared > 0,
                 "unchecked_layers": self.unchecked, "compared": self.compared,
-                "disagreements": self.disagreements, "excluded": self.excluded, "diverged_layers": self.diverged}
+                "disagreements": self.disagreements, "excluded": self.excluded, "diverged_layers": self.diverged,
+                "checked_by": self.by, "verified_through": self.verified, "windows": len(self.windows),
+                "retracted": self.retracted}
+
+    def window(self, start: int, end: int, route: list, verdict: str, layers: tuple[int, int] | None = None) -> None:
+        """A window of tokens checked on `route` ([[peer, start, end], ...]), by its verdict: "agreed" (tokens
+        [start, end) all agree), or "disagreed" (those agree, token `end` does not: where the sketches part,
+        `layers`, if they do)."""
+        self.windows.append({"start": start, "end": end, "route": route, "verdict": verdict,
+                             "layers": list(layers) if layers else None})

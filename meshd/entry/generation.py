@@ -16,7 +16,7 @@ The generation moves through its stages by the table of `meshd/entry/stages.py`:
 settlement, a wait) returns the event that ends it, and `_stage` is the one place where a hop's failure
 or a refusal, which come as exceptions, become theirs. Planning and opening a route are
 `meshd/entry/opening.py`'s; driving one is `meshd/entry/attempt.py`'s; a checked generation's two routes
-are `meshd/entry/lockstep.py`'s.
+are `meshd/entry/windows.py`'s (checked by prefill) or `meshd/entry/lockstep.py`'s (in lockstep).
 
 An `Entry` belongs to one loaded range (the daemon makes a new one when it moves): a generation that
 began before a move reroutes from the layers it started with.
@@ -32,7 +32,7 @@ import trio
 from meshd.core.settings import default
 from meshd.entry.affinity import Affinity
 from meshd.entry.attempt import first_token
-from meshd.entry.checks import Check, Exclusions, chosen
+from meshd.entry.checks import Check, Checking, Exclusions, chosen
 from meshd.entry.decoding import Decoding
 from meshd.entry.drafts import DRAFT_MAX, Drafts, StepCosts
 from meshd.entry.errors import GenerationError, HopFailed, ending, first_of
@@ -44,6 +44,7 @@ from meshd.entry.route import Route
 from meshd.entry.run import Emit, Run
 from meshd.entry.stages import Event, Stage
 from meshd.entry.state import Generation, stop_ids
+from meshd.entry.windows import Windows
 from meshd.core.log import get_logger
 from meshd.shard import grammar, rope
 from meshd.shard.sampler import SamplingParams
@@ -62,14 +63,15 @@ class Entry:
                  microbatches: int = default("microbatches"), speculate: bool = True, draft_max: int = DRAFT_MAX,
                  draft_model=None, ledger=None, verify_rate: float = 0.0, exclusions: Exclusions | None = None,
                  prefix_ttl_s: float = 0.0, chunk_tokens: int = default("chunk_tokens"),
-                 encoding: str = default("wire_encoding")) -> None:
+                 encoding: str = default("wire_encoding"), checking: Checking = Checking()) -> None:
         self.service, self.tokenizer, self.config = service, tokenizer, config
         self.mesh, self.end, self.busy_wait_s = mesh, end, busy_wait_s
         self.speculate, self.draft_max = speculate, draft_max  # drafts, at most so many a step
         self.draft_model = draft_model  # drafts from a model (--draft; meshd/entry/draftmodel.py), else prompt lookup
         self.microbatch_use = Microbatches()
         self.ledger = ledger  # the daemon's work ledger (meshd/node/ledger.py), when it keeps one
-        self.verify_rate = verify_rate  # share of generations checked on a second route (meshd/entry/lockstep.py)
+        self.verify_rate = verify_rate  # share of generations checked on a second route
+        self.checking = checking  # how: by prefill (meshd/entry/windows.py) or in lockstep (meshd/entry/lockstep.py)
         self.exclusions = Exclusions() if exclusions is None else exclusions  # peers kept off routes (the
         # daemon's, shared by its entries across moves; its times are time.monotonic())
         self.checked = self.disagreed = 0  # generations checked on two routes, and of those, disagreements
@@ -80,7 +82,8 @@ class Entry:
                              affinity=Affinity(prefix_ttl_s) if prefix_ttl_s > 0 else None,
                              chunk_tokens=chunk_tokens, encoding=encoding)
         self.decoding = Decoding(service, self.microbatch_use, speculate, draft_max)  # a try's decode loop
-        self.lockstep = Lockstep(mesh.peer_id, end, self.routes, self.exclusions, self._unchecked)  # checked ones
+        self.lockstep = Lockstep(mesh.peer_id, end, self.routes, self.exclusions, self._unchecked)  # checked ones,
+        self.windows = Windows(mesh.peer_id, end, self.routes, checking, self._unchecked)  # and settles them all
 
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
@@ -107,7 +110,7 @@ class Entry:
         # (greedy, or without drafts anyway), so a seed gives the same text whether the draw fell or not
         rate = self.verify_rate if req.temperature == 0 or drafts is None else 0.0
         if chosen(rate, req.verify):
-            gen.check = Check()
+            gen.check = Check(by=self.checking.by)
             gen.reuse = False  # a checked generation computes its whole prompt on both routes
         else:
             gen.drafts = drafts
@@ -141,7 +144,8 @@ class Entry:
             if self.ledger is not None:
                 self.ledger.end_generation(row, self.mesh.peer_id, end.outcome, len(gen.ids), len(gen.tokens),
                                            gen.work(), gen.reroutes, checked=gen.check is not None and gen.check.ran,
-                                           agreed=gen.check.agreed if gen.check is not None else None)
+                                           agreed=gen.check.agreed if gen.check is not None else None,
+                                           windows=gen.check.windows if gen.check is not None else ())
             gen.course.end(end.outcome)
 
     async def _generate(self, req: GenerateRequest, gen: Generation, sampling, emit: Emit) -> dict:
@@ -175,7 +179,7 @@ class Entry:
         """One try: on two routes when the generation is checked, else on one (where a hop of the last try left
         with its KV handed over, the same hops with its replica)."""
         if run.gen.check is not None:
-            event = await self.lockstep.run(run)
+            event = await (self.windows if run.gen.check.by == "prefill" else self.lockstep).run(run)
         else:
             after, run.moved = run.moved, None
             event = await self.attempt(run, *((after.route, after.channels) if after else ()))

@@ -148,6 +148,10 @@ class Lockstep:
         extra = (sketch.request(exc.seed),) if exc.sketches else ()
         token, third_sketches = await self.token_on(third, run, extra)
         verdict = judge((a, b), where, exc.sketches, c, third_sketches) if where is not None else None
+        if verdict is None and exc.tokens[0] == exc.tokens[1]:  # a check by prefill whose sketches part on a token
+            verdict = Verdict(0, frozenset())  # both gave: no sketch of a third decides it, so nobody is blamed
+            log.warning("the routes' sketches part where their tokens agree and no third sketch decides: nobody"
+                        " excluded")
         if verdict is None:  # no sketch to go by: the tokens decide
             verdict = settle((a, b), exc.tokens, c, token)
             if exc.sketches and where is None:  # every hop's sketch agreed within the tolerance: rounding, no liar

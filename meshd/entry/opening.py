@@ -85,11 +85,12 @@ class Routes:
         return prefix.root(self.model_fp, self.recipe_fp, gen.rope_table)
 
     def plan(self, failed: set[str], busy: set[str], avoid: set[str] = frozenset(), gen: Generation | None = None,
-             unreachable: set[str] = frozenset()) -> Route:
+             unreachable: set[str] = frozenset(), weigh=None) -> Route:
         """A route from this entry's layers on, around the hops that failed, those that are full and
         those excluded after a check; through peers in `avoid` only where no other serves the layers.
         With `gen`, the route that kept the KV of the longest prefix of its prompt, where one did and
-        all its hops may still be used (affinity: only the new tokens are computed)."""
+        all its hops may still be used (affinity: only the new tokens are computed). `weigh` scales each
+        peer's cost (`route.spread_weights`: a check's route drawn at random)."""
         coverage = self.mesh.coverage.serving()
         links = link_latency(coverage.records, dict(self.mesh.latency))
         now = time.monotonic()
@@ -103,7 +104,7 @@ class Routes:
                 return kept
         try:
             route, retried = plan_around(coverage, self.end, links, self.mesh.peer_id, failed, set(busy) | excluded,
-                                         set(avoid) | suspects, unreachable)
+                                         set(avoid) | suspects, unreachable, weigh)
         except NoRoute as exc:
             raise GenerationError(ErrorCode.NO_ROUTE, str(exc)) from None
         if retried:

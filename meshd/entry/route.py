@@ -8,6 +8,8 @@ Ties break deterministically (fewer hops, then peer id), so every entry plans th
 
 from __future__ import annotations
 
+import random
+
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -68,10 +70,11 @@ def link_latency(records, measured: Mapping[str, float]) -> Callable[[str], floa
 
 
 def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] | Callable[[str], float] | None = None,
-               exclude: frozenset[str] | set[str] = frozenset(), avoid: frozenset[str] | set[str] = frozenset()
-               ) -> Route:
+               exclude: frozenset[str] | set[str] = frozenset(), avoid: frozenset[str] | set[str] = frozenset(),
+               weigh: Callable[[str], float] | None = None) -> Route:
     """Cheapest chain of hops covering [start, n_layers); raises `NoRoute` naming the gaps. Peers in
-    `avoid` are used only for layers no other peer serves (a checked generation's second route)."""
+    `avoid` are used only for layers no other peer serves (a checked generation's second route). `weigh`
+    scales each peer's cost (a check's route drawn at random: `spread_weights`)."""
     n = coverage.n_layers
     if start >= n:
         return Route((), 0.0)
@@ -91,7 +94,8 @@ def plan_route(coverage: CoverageMap, start: int, latency: Mapping[str, float] |
             if not r.start <= a < r.end:
                 continue
             rate = r.throughput if r.throughput > 0 else DEFAULT_THROUGHPUT
-            step = (r.end - a) / rate + link(r.peer_id) + (AVOID_COST_S * (r.end - a) if r.peer_id in avoid else 0.0)
+            step = ((r.end - a) / rate + link(r.peer_id)) * (weigh(r.peer_id) if weigh is not None else 1.0)
+            step += AVOID_COST_S * (r.end - a) if r.peer_id in avoid else 0.0
             cand = (cost + step, count + 1, path + (Hop(r.peer_id, r.dial_addrs, a, r.end),))
             old = best.get(r.end)
             if old is None or _better(cand, old):
@@ -144,7 +148,7 @@ def _gaps(served: list[int], start: int) -> list[tuple[int, int]]:
 
 def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed: set[str] = frozenset(),
                 busy: set[str] = frozenset(), avoid: set[str] = frozenset(),
-                unreachable: set[str] = frozenset()) -> tuple[Route, bool]:
+                unreachable: set[str] = frozenset(), weigh: Callable[[str], float] | None = None) -> tuple[Route, bool]:
     """A route from layer `start` around the hops that failed and those that are full; and whether it
     had to try a failed hop again because no other covers its layers (a broken stream is not always a
     dead peer; a generation's bounded attempts stop a hop that keeps failing). A hop that could not even
@@ -153,16 +157,24 @@ def plan_around(coverage: CoverageMap, start: int, latency, own_id: str, failed:
     never retried: `NoRoute` then, which the caller waits on."""
     try:
         return plan_route(coverage, start, latency=latency, exclude=set(failed) | set(busy) | {own_id},
-                          avoid=avoid), False
+                          avoid=avoid, weigh=weigh), False
     except NoRoute:
         if not failed:
             raise
         for exclude in ({*busy, *unreachable, own_id}, {*busy, own_id}) if unreachable else ({*busy, own_id},):
             try:
-                return plan_route(coverage, start, latency=latency, exclude=exclude, avoid=avoid), True
+                return plan_route(coverage, start, latency=latency, exclude=exclude, avoid=avoid, weigh=weigh), True
             except NoRoute:
                 pass
         raise
+
+
+def spread_weights(draw: random.Random, spread: float = 8.0) -> Callable[[str], float]:
+    """Per peer, a factor drawn once, log-uniform in [1/spread, spread], to scale its cost by: a route planned
+    with it takes, over many draws, every server of a range whose cost is within about `spread` squared of the
+    cheapest, not always the cheapest (a check's route: so that checks reach every server of a range)."""
+    factors: dict[str, float] = {}
+    return lambda peer: factors.setdefault(peer, spread ** draw.uniform(-1.0, 1.0))
 
 
 def replaced(coverage: CoverageMap, start: int, route: Route, peer: str, latency: Callable[[str], float],

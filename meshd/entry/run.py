@@ -39,6 +39,28 @@ class Run:
     disagreement: Disagreement | None = None  # a checked try's routes disagreed: what the third route settles
     wait: tuple[float, bool] = (0.0, False)  # the next wait: its seconds, and whether the mesh view is refreshed after
 
+    async def retract(self, keep: int, reason: str) -> None:
+        """Take back the generated tokens from `keep` on: a `retract` event tells the client how much of the text
+        it was sent stays (`keep_chars` characters, the text of `keep` tokens), when some of theirs went out;
+        the text goes on from there."""
+        gen = self.gen
+        if gen.streamed > keep:
+            text = TextStream(self.text.tokenizer)
+            for token in gen.tokens[:keep]:
+                text.push(token)
+            gen.check.retracted += gen.streamed - keep
+            self.text = text
+            with trio.CancelScope(shield=True):
+                await self.emit(StreamEvent(request_id=self.req.request_id, kind="retract", text=reason,
+                                            stats={"tokens": keep, "keep_chars": text.emitted}))
+        gen.retract(keep)
+
+    async def verified(self, through: int) -> None:
+        """Tell the client its first `through` generated tokens are checked (a check whose text goes out at once)."""
+        with trio.CancelScope(shield=True):
+            await self.emit(StreamEvent(request_id=self.req.request_id, kind="verified",
+                                        stats={"verified_through": through}))
+
     async def emit_tokens(self, tokens: list[int]) -> None:
         """The tokens' text, in order, all of it (they count as generated: see `emit_token`)."""
         with trio.CancelScope(shield=True):

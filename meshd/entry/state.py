@@ -187,6 +187,15 @@ class Generation:
                 self.guide = None
         return self.done
 
+    def retract(self, keep: int) -> None:
+        """Forget the generated tokens from `keep` on (a check found the first of them wrong, or they were never
+        checked): the next route computes from there. The grammar's local state is dropped: only drafts use it,
+        and a checked generation has none (the hop that samples keeps its own)."""
+        if keep < len(self.tokens):
+            del self.tokens[keep:]
+            self.guide = None
+            self.streamed = min(self.streamed, keep)
+
     def forced(self, most: int) -> list[int]:
         """Up to `most` tokens the grammar forces next (jump-forward drafts; [] without a grammar)."""
         if self.guide is None or not self.tokens:

@@ -294,7 +294,8 @@ class ShardEndpoint:
         if drafts is None:
             token, logprob = state.sampler.sample(out, next_position, constraint)
         else:
-            accepted, token, logprob = state.sampler.verify(out, drafts[0].tolist(), msg.position + 1, constraint)
+            accepted, token, logprob = state.sampler.verify(out, drafts[0].tolist(), msg.position + 1, constraint,
+                                                            exact=sketch.teacher(msg.tensors))  # a check's window
             # the rejected drafts' positions leave this hop's KV at once (the others' with the next frame)
             self.shard.trim((msg.session_id, msg.epoch), msg.position + accepted + 1)
         return [Token(session_id=msg.session_id, epoch=msg.epoch, step=msg.step, token_id=token, logprob=logprob,

@@ -98,7 +98,8 @@ class Daemon:
         self.stopping.arm()
         s = self.settings
         self.artifact, self.recipe, self.recipe_fp, fixed = await open_model(s, self.compute)
-        s.speculate_on, wiring.verify_share(s)  # noqa: B018 -- a bad --speculate, --draft-max, --verify-rate: refused
+        s.speculate_on, wiring.verify_share(s), wiring.checking(s)  # noqa: B018 -- a bad --speculate, --draft-max,
+        # --verify-rate or --verify-by/-window/-release: refused
         self.draft_model = await open_draft(s, self.artifact, self.compute, fixed)
         key_pair = load_or_create_identity(s.state_path)
         self.ledger = await trio.to_thread.run_sync(Ledger, s.ledger_path, s.ledger_days)
@@ -313,7 +314,7 @@ class Daemon:
                                ledger=self.ledger,
                                verify_rate=wiring.verify_share(s), exclusions=self.exclusions,
                                prefix_ttl_s=s.prefix_ttl, chunk_tokens=wiring.chunk_size(s),
-                               encoding=wiring.wire_encoding(s))
+                               encoding=wiring.wire_encoding(s), checking=wiring.checking(s))
         slot.service.nursery = self.nursery
         old, self.slot = self.slot, slot
         return old

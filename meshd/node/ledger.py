@@ -2,7 +2,8 @@
 
 Rules: one SQLite database (stdlib `sqlite3`, WAL), written as the work ends. At an entry, one row per
 generation (its request id, every route it took with the positions each computed, prompt and
-generated tokens, outcome completed / cancelled / failed, checked or not); at a hop, one row per
+generated tokens, outcome completed / cancelled / failed, checked or not, and each window of its tokens a
+check by prefill recomputed: on whose route, and the verdict); at a hop, one row per
 session it served for another daemon (that peer, the layers, the positions computed, the outcome:
 closed by its entry, cancelled, or lost). Each row also credits layer-tokens (layers x positions)
 to a peer, in one direction: `for_us` (the peer computed for this daemon) or `by_us` (this daemon
@@ -39,6 +40,9 @@ CREATE TABLE IF NOT EXISTS work (
 CREATE TABLE IF NOT EXISTS daily (
     day REAL, peer TEXT, direction TEXT, layer_tokens INTEGER, rows INTEGER,
     PRIMARY KEY (day, peer, direction));
+CREATE TABLE IF NOT EXISTS windows (
+    id INTEGER PRIMARY KEY, generation INTEGER, at REAL, first_token INTEGER, end_token INTEGER, checkers TEXT,
+    verdict TEXT, layers TEXT);
 CREATE INDEX IF NOT EXISTS work_at ON work (at);
 CREATE INDEX IF NOT EXISTS generations_started ON generations (started);
 CREATE INDEX IF NOT EXISTS sessions_started ON sessions (started);
@@ -119,8 +123,10 @@ class Ledger:
 
     def end_generation(self, row: int | None, me: str, outcome: str, prompt_tokens: int, generated: int,
                        routes: list[tuple[list, int]], reroutes: int = 0, checked: bool = False,
-                       agreed: bool | None = None) -> None:
-        """How generation `row` ended, and the layer-tokens its routes' other peers computed for us."""
+                       agreed: bool | None = None, windows: list[dict] = ()) -> None:
+        """How generation `row` ended, the layer-tokens its routes' other peers computed for us, and each
+        window of its tokens a check by prefill recomputed (`Check.window`: the tokens, the check's route, the
+        verdict and where the sketches parted)."""
         if row is None:
             return
         now = self.clock()
@@ -133,8 +139,27 @@ class Ledger:
             db.executemany("INSERT INTO work (at, peer, direction, layer_tokens, generation)"
                            " VALUES (?, ?, 'for_us', ?, ?)",
                            [(now, peer, n, row) for peer, n in layer_tokens(routes, me).items()])
+            db.executemany("INSERT INTO windows (generation, at, first_token, end_token, checkers, verdict, layers)"
+                           " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [(row, now, w["start"], w["end"], json.dumps(w["route"]), w["verdict"],
+                             json.dumps(w["layers"]) if w["layers"] else None) for w in windows])
 
         self._write("recording a generation", write)
+
+    def windows(self, generation: int | None = None) -> list[dict]:
+        """The windows checked by prefill (of one generation's row, or all kept), oldest first."""
+        with self._lock:
+            if self.db is None:
+                return []
+            try:
+                rows = self.db.execute("SELECT generation, at, first_token, end_token, checkers, verdict, layers"
+                                       " FROM windows" + (" WHERE generation = ?" if generation is not None else "")
+                                       + " ORDER BY id", (generation,) if generation is not None else ()).fetchall()
+            except sqlite3.Error as exc:
+                log.warning("reading the work ledger failed", error=str(exc))
+                return []
+        return [{"generation": g, "at": at, "start": a, "end": b, "checkers": json.loads(c), "verdict": v,
+                 "layers": json.loads(layers) if layers else None} for g, at, a, b, c, v, layers in rows]
 
     # ---- a hop's sessions ----
 
@@ -167,6 +192,7 @@ class Ledger:
             folded = db.execute("DELETE FROM work WHERE at < ?", (cutoff,)).rowcount
             db.execute("DELETE FROM generations WHERE started < ? AND outcome != 'running'", (cutoff,))
             db.execute("DELETE FROM sessions WHERE started < ?", (cutoff,))
+            db.execute("DELETE FROM windows WHERE at < ?", (cutoff,))
             return folded
 
         return self._write("rolling the ledger up", write) or 0
@@ -177,7 +203,7 @@ class Ledger:
         generations and sessions by outcome. `enabled: false` when there is no ledger."""
         out: dict = {"enabled": self.db is not None, "path": str(self.path) if self.path else None,
                      "peers": {}, "generations": dict.fromkeys(OUTCOMES, 0), "sessions": dict.fromkeys(OUTCOMES, 0),
-                     "checked": 0, "unchecked": 0}
+                     "checked": 0, "unchecked": 0, "windows": {}}
         since = float(since or 0.0)
         with self._lock:
             if self.db is None:
@@ -189,6 +215,8 @@ class Ledger:
                     " WHERE day + ? > ? GROUP BY 1, 2", (since, DAY_S, since)).fetchall()
                 gens = self.db.execute("SELECT outcome, checked, COUNT(*) FROM generations WHERE started >= ?"
                                        " AND outcome != 'running' GROUP BY 1, 2", (since,)).fetchall()
+                windows = self.db.execute("SELECT verdict, COUNT(*) FROM windows WHERE at >= ? GROUP BY 1",
+                                          (since,)).fetchall()
                 sessions = self.db.execute("SELECT outcome, COUNT(*) FROM sessions WHERE started >= ?"
                                            + (" AND peer = ?" if peer else "") + " GROUP BY 1",
                                            (since, peer) if peer else (since,)).fetchall()
@@ -204,6 +232,7 @@ class Ledger:
         for outcome, checked, count in gens:
             out["generations"][outcome] = out["generations"].get(outcome, 0) + count
             out["checked" if checked else "unchecked"] += count
+        out["windows"] = {verdict: count for verdict, count in windows}
         for outcome, count in sessions:
             out["sessions"][outcome] = out["sessions"].get(outcome, 0) + count
         return out

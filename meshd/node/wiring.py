@@ -15,7 +15,7 @@ import os
 
 from meshd import wire
 from meshd.core.settings import Settings
-from meshd.entry.checks import check_rate
+from meshd.entry.checks import Checking, check_rate
 from meshd.hop.intake import Intake
 from meshd.p2p.budget import ByteBudget
 from meshd.p2p.swarmkey import SwarmKey, SwarmKeyError, read_swarm_key
@@ -63,6 +63,11 @@ def intake(s: Settings) -> Intake:
 def verify_share(s: Settings) -> float:
     """The share of generations this entry checks (--verify-rate, refused outside [0, 1])."""
     return check_rate(s.verify_rate)
+
+
+def checking(s: Settings) -> Checking:
+    """How this entry checks a generation (--verify-by, --verify-window, --verify-release; refused by name)."""
+    return Checking(s.verify_by, s.verify_window, s.verify_release)
 
 
 def mesh_key(s: Settings, environ=os.environ) -> SwarmKey | None:

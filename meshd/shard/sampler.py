@@ -85,15 +85,19 @@ class Sampler:
         token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
         return token, float(logprobs[token])
 
-    def verify(self, logits: torch.Tensor, drafts: list[int], position: int, constraint=None) -> tuple[int, int, float]:
+    def verify(self, logits: torch.Tensor, drafts: list[int], position: int, constraint=None,
+               exact: bool = False) -> tuple[int, int, float]:
         """Check drafts against logits [len(drafts) + 1, vocab], whose row i scores the token at
         `position + i` (row i follows draft i - 1). Returns how many drafts are accepted, the token
         after them, and its log-probability. With `constraint`, each row is masked to what it allows
-        after the drafts before it, which it takes as they are accepted."""
+        after the drafts before it, which it takes as they are accepted. `exact`: a draft stands only
+        where `sample` gives that very token at its position (a check's window, whose drafts are the
+        tokens another route sampled; speculation's rule keeps the distribution, not the draw)."""
         if logits.shape[0] != len(drafts) + 1:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
         for i, draft in enumerate(drafts):
-            kept = self._check(logits[i], draft, position + i, constraint)
+            kept = (self._same(logits[i], draft, position + i, constraint) if exact
+                    else self._check(logits[i], draft, position + i, constraint))
             if kept is not None:
                 return i, *kept
             if constraint is not None:
@@ -107,6 +111,13 @@ class Sampler:
         if constraint is not None and not constraint.allows(token):
             token = first_max(constraint.mask(logprobs))
         return token
+
+    def _same(self, logits: torch.Tensor, draft: int, position: int, constraint=None) -> tuple[int, float] | None:
+        """None where `sample` gives the draft at `position`; else the token it gives and its log-probability."""
+        if not 0 <= draft < logits.numel():
+            raise ValueError(f"draft token {draft} is not in the vocabulary of {logits.numel()}")
+        token, logprob = self.sample(logits, position, constraint)
+        return None if token == draft else (token, logprob)
 
     def _check(self, logits: torch.Tensor, draft: int, position: int, constraint=None) -> tuple[int, float] | None:
         """None where the draft stands; else the token drawn in its place and its log-probability."""

@@ -428,7 +428,10 @@ class LedgerRequest(Message):
 
 @message(MsgType.STREAM_EVENT)
 class StreamEvent(Message):
-    """One event of a stream: `kind` is "text", "done", "error" or "status"; details in `stats`."""
+    """One event of a stream: `kind` is "text", "done", "error" or "status"; details in `stats`. A checked
+    generation whose text goes out at once also sends "verified" (`stats.verified_through`: its first so many
+    generated tokens are checked) and "retract" (`text`: why; `stats.tokens`: the generated tokens that stand,
+    `stats.keep_chars`: the characters of the text sent so far that stand; the text goes on from there)."""
 
     request_id: int
     kind: str
