@@ -1,92 +1,154 @@
-"""What checked generations cost the mesh: aggregate throughput with none checked, all checked, and
-a share checked at the default --verify-rate, side by side in one run.
+"""What checked generations cost the mesh: aggregate throughput, compute and a token's latency with no
+generation checked, every one checked in lockstep (both routes decode every step), and every one checked by
+prefill (a second route recomputes each finished window in one pass: meshd/entry/windows.py), side by side
+in one run; and from those, the drop in aggregate throughput at --verify-rate 0.05, 0.25 and 1.0.
 
-Five daemons (0:10, 10:20 twice, 20:30 twice: every layer has a replica, so a checked generation is
-fully verified), SmolLM2 Q4_1 on the native lane, greedy, --tokens tokens past end-of-text. Each round
-runs --clients concurrent generations in each arm, the arms alternating:
-  plain     no generation checked
-  checked   every generation checked (`meshctl generate --verify`)
-  rate      each generation checked with probability --rate (drawn here, seeded, as the entry draws)
-Aggregate tok/s = tokens the clients received / wall time of the round. From the medians it also
-derives the drop at --rate from the all-checked cost c = plain / checked (a checked generation's
-tokens cost c times as much): 1 - 1 / (1 + rate * (c - 1)); the measured `rate` arm needs many rounds
-to resolve a 5% difference on a shared box, the derived figure does not.
-Usage: python bench/verify_bench.py [--tokens 32] [--clients 4] [--rounds 2] [--rate 0.05]
-Prints one line per round, then one JSON object on the last line.
+Per model, one entry and two servers of every further range (`--model smollm2`: 0:10, 10:20 x2, 20:30 x2;
+`synthetic`: the 1.17 B model of meshd.testing.synthetic, its 16 layers in thirds), every daemon on the native
+lane with --threads 1. Two entries serve the first range: one checks by prefill, one in lockstep (how an entry
+checks is its own setting). Each round runs --clients concurrent generations in each arm, the arms alternating:
+  off       no generation checked (the prefill entry)
+  lockstep  every generation checked in lockstep (`meshctl generate --verify` at the lockstep entry)
+  prefill   every generation checked by prefill, text released once checked
+Each generation is --tokens greedy tokens past end-of-text, on prompts of its own (a few topics, not chosen
+for the feature). Per arm: aggregate tok/s (tokens the clients received / wall time of the round), the
+compute seconds every daemon spent per token (`compute_s` of their status, summed), and a token's latency
+(a generation's wall time / its tokens, median over generations). From the medians, the drop at a rate r
+(a share r of generations checked, each costing c = off / checked times a plain one):
+1 - 1 / (1 + r (c - 1)); a measured arm would need many rounds to resolve 5% on a shared box.
+Usage: python bench/verify_bench.py [--model smollm2|synthetic|both] [--tokens 64] [--clients 4] [--rounds 2]
+Prints one line per round and a table, then one JSON object on the last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from common import cpu_flags
 
 from meshd.cli.localmesh import Mesh
+from meshd.shard.artifact import open_artifact
 
-RANGES = [(0, 10), (10, 20), (10, 20), (20, 30), (20, 30)]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "The best way to learn", "In 1969, the first", "import numpy as np\n", "Dear Sir or Madam,"]
+RATES = (0.05, 0.25, 1.0)
+ARMS = ("off", "lockstep", "prefill")
 
 
-def run_round(entry, prompts: list[str], tokens: int, verify: list[bool]) -> tuple[float, int, list[dict]]:
-    """Concurrent generations, one a prompt: (aggregate tok/s, tokens, their stats)."""
+def synthetic_model() -> str:
+    from meshd.core.settings import default_cache_dir
+
+    path = default_cache_dir() / "bench" / "synthetic-1b.q4_0.gguf"
+    if not path.exists():
+        from meshd.testing.synthetic import write_synthetic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_synthetic(tmp)
+        tmp.rename(path)
+    return str(path)
+
+
+def ranges_of(n_layers: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """The entry's range and the others (each served twice)."""
+    cuts = [0, n_layers // 3, 2 * n_layers // 3, n_layers]
+    spans = list(zip(cuts, cuts[1:]))
+    return spans[0], spans[1:]
+
+
+def run_round(entry, prompts: list[str], tokens: int, verify: bool) -> tuple[float, int, list[dict], list[float]]:
+    """Concurrent generations, one a prompt: (aggregate tok/s, tokens, their stats, seconds a token each)."""
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(entry.socket), "generate",
-                               "--max-tokens", str(tokens), "--ignore-eos", "--stats",
-                               *(["--verify"] if v else []), p], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for p, v in zip(prompts, verify)]
-    stats = []
+                               "--max-tokens", str(tokens), "--ignore-eos", "--stats", *(["--verify"] if verify else []),
+                               p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in prompts]
+    stats, per_token = [], []
     for p in procs:
-        _, err = p.communicate(timeout=1800)
+        _, err = p.communicate(timeout=3600)
         if p.returncode != 0:
             raise RuntimeError(err[-2000:])
         stats.append(json.loads(err.strip().splitlines()[-1]))
+        per_token.append((time.perf_counter() - t0) / max(1, stats[-1]["tokens"]))
     wall = time.perf_counter() - t0
     n = sum(s["tokens"] for s in stats)
-    return n / wall, n, stats
+    return n / wall, n, stats, per_token
+
+
+def compute_s(daemons) -> float:
+    return sum(d.status()["compute_s"] for d in daemons)
+
+
+def run_model(name: str, model: str, args) -> dict:
+    art = open_artifact(model)
+    head, rest = ranges_of(art.config.n_layers)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.clients)]
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    mesh = Mesh(env={"MESHD_RECORD_TTL": "30"})
+    common = ["--model", model, "--threads", "1", "--verify-rate", "0"]
+    try:
+        entry = mesh.start("prefill", ["--layers", f"{head[0]}:{head[1]}", *common, "--verify-by", "prefill"])
+        boot = ["--bootstrap", entry.wait_serving()["addrs"][0]]
+        lock = mesh.start("lockstep", ["--layers", f"{head[0]}:{head[1]}", *common, "--verify-by", "lockstep", *boot])
+        others = [mesh.start(f"s{i}{k}", ["--layers", f"{a}:{b}", *common, *boot])
+                  for i, (a, b) in enumerate(rest) for k in range(2)]
+        daemons = [entry, lock, *others]
+        for e in (entry, lock):
+            e.wait_for(lambda s: s["state"] == "serving" and s["complete"]
+                       and sum(p["serving"] for p in s["peers"]) == len(daemons) - 1, what="every peer serving")
+            run_round(e, prompts[:1], 4, True)  # warm-up: streams, tables and threads
+        for r in range(args.rounds):
+            for arm in ARMS:
+                at = lock if arm == "lockstep" else entry
+                before = compute_s(daemons)
+                tps, n, stats, per_token = run_round(at, prompts, args.tokens, arm != "off")
+                spent = compute_s(daemons) - before
+                if arm != "off":
+                    assert all(s["verified"] and s["disagreements"] == 0 for s in stats), stats
+                runs[arm].append({"tok_per_s": tps, "tokens": n, "compute_s_per_token": spent / n,
+                                  "s_per_token": statistics.median(per_token)})
+                print(f"{name} round {r} {arm:8s} {tps:7.2f} tok/s aggregate, {1000 * spent / n:6.1f} ms compute"
+                      f" a token, {1000 * statistics.median(per_token):6.1f} ms a token ({n} tokens)", flush=True)
+    finally:
+        mesh.close()
+    med = {arm: {k: statistics.median(x[k] for x in v) for k in ("tok_per_s", "compute_s_per_token", "s_per_token")}
+           for arm, v in runs.items()}
+    out = {"model": name, "median": {a: {k: round(v, 5) for k, v in m.items()} for a, m in med.items()}, "runs": runs}
+    for arm in ("lockstep", "prefill"):
+        cost = med["off"]["tok_per_s"] / med[arm]["tok_per_s"]
+        out[arm] = {"throughput_cost": round(cost, 3),
+                    "compute_ratio": round(med[arm]["compute_s_per_token"] / med["off"]["compute_s_per_token"], 3),
+                    "latency_added_ms": round(1000 * (med[arm]["s_per_token"] - med["off"]["s_per_token"]), 2),
+                    "drop_at_rate": {str(rate): round(1 - 1 / (1 + rate * (cost - 1)), 4) for rate in RATES}}
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "synthetic", "both"])
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rate", type=float, default=0.05)
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    draw = random.Random(22)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.clients)]
-    results: dict[str, list[float]] = {"plain": [], "checked": [], "rate": []}
-    checked_in_rate = 0
-    mesh = Mesh(env={"MESHD_RECORD_TTL": "30"})
-    try:
-        entry = mesh.start_chain(RANGES, extra=["--threads", str(args.threads), "--verify-rate", "0"])[0]
-        run_round(entry, prompts[:1], 4, [False])  # warm-up
-        for r in range(args.rounds):
-            for arm in ("plain", "checked", "rate"):
-                verify = ([False] * args.clients if arm == "plain" else [True] * args.clients if arm == "checked"
-                          else [draw.random() < args.rate for _ in range(args.clients)])
-                tps, n, stats = run_round(entry, prompts, args.tokens, verify)
-                if arm == "checked":
-                    assert all(s["verified"] for s in stats), stats
-                checked_in_rate += sum(verify) if arm == "rate" else 0
-                results[arm].append(tps)
-                print(f"round {r} {arm:8s} {tps:7.2f} tok/s aggregate ({n} tokens, {sum(verify)} checked)",
-                      flush=True)
-    finally:
-        mesh.close()
-    med = {arm: statistics.median(v) for arm, v in results.items()}
-    cost = med["plain"] / med["checked"]
-    derived = 1 - 1 / (1 + args.rate * (cost - 1))
-    out = {"cpu": "avx2", "tokens": args.tokens, "clients": args.clients, "rounds": args.rounds, "rate": args.rate,
-           "median_tok_per_s": {k: round(v, 3) for k, v in med.items()}, "runs": results,
-           "checked_cost": round(cost, 3), "derived_drop_at_rate": round(derived, 4),
-           "measured_drop_at_rate": round(1 - med["rate"] / med["plain"], 4), "checked_in_rate_arm": checked_in_rate}
-    print(json.dumps(out))
+    names = ["smollm2", "synthetic"] if args.model == "both" else [args.model]
+    results = [run_model(name, "smollm2" if name == "smollm2" else synthetic_model(), args) for name in names]
+    print(f"\n{'model':9s} {'arm':9s} {'tok/s':>8s} {'compute/tok':>12s} {'ms/token':>9s} {'cost':>6s}"
+          f" {'compute x':>9s} {'drop@0.05':>9s} {'drop@0.25':>9s} {'drop@1':>7s}")
+    for res in results:
+        for arm in ARMS:
+            m, extra = res["median"][arm], res.get(arm, {})
+            drops = extra.get("drop_at_rate", {})
+            print(f"{res['model']:9s} {arm:9s} {m['tok_per_s']:8.2f} {1000 * m['compute_s_per_token']:10.1f}ms"
+                  f" {1000 * m['s_per_token']:9.1f} {extra.get('throughput_cost', 1.0):6.2f}"
+                  f" {extra.get('compute_ratio', 1.0):9.2f} {drops.get('0.05', 0):9.3f} {drops.get('0.25', 0):9.3f}"
+                  f" {drops.get('1.0', 0):7.3f}")
+    print(json.dumps({"cpu": cpu_flags(), "tokens": args.tokens, "clients": args.clients, "rounds": args.rounds,
+                      "results": results}))
     return 0
 
 

@@ -209,10 +209,21 @@ class Drafts:
         self.computes = source is not None
         self.length = DraftLength(most)
         self.costs = costs  # weighs drafts against trips (greedy generations); None: by acceptance alone
+        self.stopped = False  # a draft model whose context was cut back proposes no more
+
+    def cut(self) -> None:
+        """The generation's tokens were cut back (a check took some back): prompt lookup indexes the context
+        anew; a draft model, whose session holds the tokens cut, proposes no more for this generation."""
+        if self.computes:
+            self.stopped = True
+        else:
+            self.source = PromptLookup()
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Drafts after the context, at most `room` (what the generation may still produce, less
         the token the step itself gives). With costs, the first step goes plain, timing a trip."""
+        if self.stopped:
+            return []
         if self.costs is None:
             k = self.length.wanted()
         elif self.costs.trip is None:

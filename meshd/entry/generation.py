@@ -83,7 +83,8 @@ class Entry:
                              chunk_tokens=chunk_tokens, encoding=encoding)
         self.decoding = Decoding(service, self.microbatch_use, speculate, draft_max)  # a try's decode loop
         self.lockstep = Lockstep(mesh.peer_id, end, self.routes, self.exclusions, self._unchecked)  # checked ones,
-        self.windows = Windows(mesh.peer_id, end, self.routes, checking, self._unchecked)  # and settles them all
+        self.windows = Windows(mesh.peer_id, end, self.routes, checking, self.decoding,
+                               self._unchecked)  # and the lockstep settles them all
 
     def start(self, req: GenerateRequest) -> tuple[Generation, SamplingParams]:
         """The generation a request asks for, or the `bad_frame` GenerationError that refuses it."""
@@ -112,6 +113,8 @@ class Entry:
         if chosen(rate, req.verify):
             gen.check = Check(by=self.checking.by)
             gen.reuse = False  # a checked generation computes its whole prompt on both routes
+            if self.checking.by == "prefill" and req.temperature == 0:
+                gen.drafts = drafts  # its first route drafts as an unchecked one (meshd/entry/windows.py)
         else:
             gen.drafts = drafts
         return gen, sampling

@@ -195,6 +195,8 @@ class Generation:
             del self.tokens[keep:]
             self.guide = None
             self.streamed = min(self.streamed, keep)
+            if self.drafts is not None:
+                self.drafts.cut()
 
     def forced(self, most: int) -> list[int]:
         """Up to `most` tokens the grammar forces next (jump-forward drafts; [] without a grammar)."""

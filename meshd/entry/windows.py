@@ -12,7 +12,9 @@ Rules:
   that very token, so the answer says how many of the window's tokens the second route would have given.
   The window costs the rows of one pass, not a decode step each (a prefill row costs a fraction of a step).
 - The check of a window runs while the first route generates the next; the first route runs at most two
-  windows ahead of the check.
+  windows ahead of the check. The first route drafts as an unchecked greedy generation does (its steps'
+  rows are sketched alike, and its tail held to the very token: a greedy tail's rule anyway); a sampled one
+  decodes plainly, as its text must not depend on the check.
 - The second route is drawn at random among the servers of each range that are not on the first route
   (`route.spread_weights`), so that checks reach every server of a range over time, not only the fastest two.
 - The text goes out once its window is checked (`Checking.release` "checked": a window's latency), or at once
@@ -25,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -33,6 +36,8 @@ import trio
 from meshd.core.log import get_logger
 from meshd.entry.attempt import Attempt, first_token
 from meshd.entry.checks import Checking, differing_peers, first_wrong, next_window, unchecked_layers
+from meshd.entry.decoding import Decoding
+from meshd.entry.drafts import worth_drafting
 from meshd.entry.lockstep import Disagreement
 from meshd.entry.opening import Routes
 from meshd.entry.route import Route, spread_weights
@@ -77,12 +82,14 @@ class Tally:
 
 class Windows:
     """Runs the generations an entry checks by prefill: its own hop is `peer_id`'s layers [0, `end`), routes
-    planned and opened by `routes`, how windows are cut and text released by `checking`, and `unchecked(run,
-    route)` the entry's plain try on one route, for a generation no replica can check."""
+    planned and opened by `routes`, how windows are cut and text released by `checking`, drafts as its
+    `decoding` proposes them, and `unchecked(run, route)` the entry's plain try on one route, for a generation no
+    replica can check."""
 
-    def __init__(self, peer_id: str, end: int, routes: Routes, checking: Checking,
+    def __init__(self, peer_id: str, end: int, routes: Routes, checking: Checking, decoding: Decoding,
                  unchecked: Callable[[Run, Route], Awaitable[Event]]) -> None:
         self.peer_id, self.end, self.routes, self.checking = peer_id, end, routes, checking
+        self.decoding = decoding  # the entry's: whether drafts pay, and where they come from
         self.unchecked = unchecked
 
     def described(self, route: Route) -> list:
@@ -126,16 +133,16 @@ class Windows:
         return Event.DISAGREED
 
     async def _generate(self, run: Run, at: Attempt, tally: Tally) -> None:
-        """The first route's part: decode steps, each hop sketching each step, at most AHEAD windows past the
-        check; the text goes out at once where the check releases it so."""
-        gen = run.gen
+        """The first route's part: decode steps (with drafts where a greedy generation's pay, as an unchecked
+        one's), each hop sketching each row, at most AHEAD windows past the check; the text goes out at once
+        where the check releases it so."""
+        gen, seed = run.gen, run.gen.check.seed
         at_once = self.checking.release == "at-once"
-        extra = (sketch.request(gen.check.seed),)
-        tokens = [await first_token(at, extra)]
+        tokens = [await first_token(at, (sketch.request(seed),))]
+        rows = [sketch.read(at.last_token.tensors) if at.last_token is not None else {}]
         while True:
-            sketches = sketch.read(at.last_token.tensors) if at.last_token is not None else {}
             taken, event = gen.take(tokens)
-            tally.made.extend(Made(token, sketches) for token in taken)
+            tally.made.extend(Made(token, rows[i]) for i, token in enumerate(taken))
             tally.wake()
             if event is not None:
                 if at_once:
@@ -144,12 +151,32 @@ class Windows:
                 tally.wake()
                 return
             await tally.until(lambda: len(tally.made) - tally.checked < AHEAD * self.checking.window)
+            drafts, began = await self.drafts(run, at), time.perf_counter()
             step, position, token = len(gen.tokens), gen.position, gen.tokens[-1]
             async with trio.open_nursery() as overlap:  # the text goes out while the route computes on
                 if at_once:
                     overlap.start_soon(run.emit_tokens, taken)
-                reply = await at.advance(step, Phase.DECODE, position, [token], extra=extra)
-            tokens = [reply.token_id]
+                # every row sketched; drafts held to the very token sampled (a greedy one's rule anyway)
+                reply = await at.advance(step, Phase.VERIFY if drafts else Phase.DECODE, position, [token, *drafts],
+                                         extra=(sketch.rows_request(seed),))
+            if gen.drafts is not None:  # a step's time and its drafts' fate: how many the next one carries
+                gen.drafts.observe(1 + len(drafts), time.perf_counter() - began)
+            if drafts:
+                gen.verified(len(drafts), reply.accepted)
+            every = sketch.read(reply.tensors)
+            tokens = [*drafts[:reply.accepted], reply.token_id]
+            rows = [sketch.row(every, i) for i in range(len(tokens))]
+
+    async def drafts(self, run: Run, at: Attempt) -> list[int]:
+        """The drafts of the first route's next step: a greedy generation's, where they pay (as
+        `meshd/entry/decoding.py` decides for an unchecked one); none for a sampled one, whose text the
+        check's rule for drafts (the very token sampled) would make differ from the unchecked text."""
+        gen = run.gen
+        if gen.drafts is None or run.req.temperature != 0 or not self.decoding.speculate:
+            return []
+        if not worth_drafting(len(at.hops), sum(self.decoding.microbatch_use.counts()) - 1):  # its check's route
+            return []  # counts as a generation there
+        return await self.decoding.propose(gen)
 
     async def _check(self, run: Run, at: Attempt, tally: Tally, route: list, cancel: trio.CancelScope) -> None:
         """The second route's part: the prompt (and the tokens of earlier tries) as the first route computed
