@@ -12,7 +12,8 @@ checks is its own setting). Each round runs --clients concurrent generations in 
   prefill   every generation checked by prefill, text released once checked
 Each generation is --tokens greedy tokens past end-of-text, on prompts of its own (a few topics, not chosen
 for the feature). Per arm: aggregate tok/s (tokens the clients received / wall time of the round), the
-compute seconds every daemon spent per token (`compute_s` of their status, summed), and a token's latency
+compute seconds every daemon spent per token (`compute_s` of their status, summed: wall time in tensor work)
+and the CPU seconds their processes used per token (/proc: all their work), and a token's latency
 (a generation's wall time / its tokens, median over generations). From the medians, the drop at a rate r
 (a share r of generations checked, each costing c = off / checked times a plain one):
 1 - 1 / (1 + r (c - 1)); a measured arm would need many rounds to resolve 5% on a shared box.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -81,7 +83,21 @@ def run_round(entry, prompts: list[str], tokens: int, verify: bool) -> tuple[flo
 
 
 def compute_s(daemons) -> float:
+    """Seconds the daemons spent in tensor work (their status's `compute_s`: wall time, so it grows with the
+    box's load as well as with the work)."""
     return sum(d.status()["compute_s"] for d in daemons)
+
+
+def cpu_s(daemons) -> float:
+    """CPU seconds the daemons' processes used, user and system (/proc/PID/stat): everything they did, the
+    tensor work, the wire and Python alike, whatever else loads the box."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for d in daemons:
+        with open(f"/proc/{d.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+    return total
 
 
 def run_model(name: str, model: str, args) -> dict:
@@ -105,24 +121,27 @@ def run_model(name: str, model: str, args) -> dict:
         for r in range(args.rounds):
             for arm in ARMS:
                 at = lock if arm == "lockstep" else entry
-                before = compute_s(daemons)
+                before, cpu_before = compute_s(daemons), cpu_s(daemons)
                 tps, n, stats, per_token = run_round(at, prompts, args.tokens, arm != "off")
-                spent = compute_s(daemons) - before
+                spent, cpu = compute_s(daemons) - before, cpu_s(daemons) - cpu_before
                 if arm != "off":
                     assert all(s["verified"] and s["disagreements"] == 0 for s in stats), stats
                 runs[arm].append({"tok_per_s": tps, "tokens": n, "compute_s_per_token": spent / n,
-                                  "s_per_token": statistics.median(per_token)})
+                                  "cpu_s_per_token": cpu / n, "s_per_token": statistics.median(per_token)})
                 print(f"{name} round {r} {arm:8s} {tps:7.2f} tok/s aggregate, {1000 * spent / n:6.1f} ms compute"
-                      f" a token, {1000 * statistics.median(per_token):6.1f} ms a token ({n} tokens)", flush=True)
+                      f" and {1000 * cpu / n:6.1f} ms CPU a token, {1000 * statistics.median(per_token):6.1f} ms a"
+                      f" token ({n} tokens)", flush=True)
     finally:
         mesh.close()
-    med = {arm: {k: statistics.median(x[k] for x in v) for k in ("tok_per_s", "compute_s_per_token", "s_per_token")}
+    med = {arm: {k: statistics.median(x[k] for x in v)
+                 for k in ("tok_per_s", "compute_s_per_token", "cpu_s_per_token", "s_per_token")}
            for arm, v in runs.items()}
     out = {"model": name, "median": {a: {k: round(v, 5) for k, v in m.items()} for a, m in med.items()}, "runs": runs}
     for arm in ("lockstep", "prefill"):
         cost = med["off"]["tok_per_s"] / med[arm]["tok_per_s"]
         out[arm] = {"throughput_cost": round(cost, 3),
                     "compute_ratio": round(med[arm]["compute_s_per_token"] / med["off"]["compute_s_per_token"], 3),
+                    "cpu_ratio": round(med[arm]["cpu_s_per_token"] / med["off"]["cpu_s_per_token"], 3),
                     "latency_added_ms": round(1000 * (med[arm]["s_per_token"] - med["off"]["s_per_token"]), 2),
                     "drop_at_rate": {str(rate): round(1 - 1 / (1 + rate * (cost - 1)), 4) for rate in RATES}}
     return out
@@ -137,15 +156,16 @@ def main() -> int:
     args = ap.parse_args()
     names = ["smollm2", "synthetic"] if args.model == "both" else [args.model]
     results = [run_model(name, "smollm2" if name == "smollm2" else synthetic_model(), args) for name in names]
-    print(f"\n{'model':9s} {'arm':9s} {'tok/s':>8s} {'compute/tok':>12s} {'ms/token':>9s} {'cost':>6s}"
-          f" {'compute x':>9s} {'drop@0.05':>9s} {'drop@0.25':>9s} {'drop@1':>7s}")
+    print(f"\n{'model':9s} {'arm':9s} {'tok/s':>8s} {'compute/tok':>12s} {'CPU/tok':>9s} {'ms/token':>9s}"
+          f" {'cost':>6s} {'compute x':>9s} {'CPU x':>6s} {'drop@0.05':>9s} {'drop@0.25':>9s} {'drop@1':>7s}")
     for res in results:
         for arm in ARMS:
             m, extra = res["median"][arm], res.get(arm, {})
             drops = extra.get("drop_at_rate", {})
             print(f"{res['model']:9s} {arm:9s} {m['tok_per_s']:8.2f} {1000 * m['compute_s_per_token']:10.1f}ms"
-                  f" {1000 * m['s_per_token']:9.1f} {extra.get('throughput_cost', 1.0):6.2f}"
-                  f" {extra.get('compute_ratio', 1.0):9.2f} {drops.get('0.05', 0):9.3f} {drops.get('0.25', 0):9.3f}"
+                  f" {1000 * m['cpu_s_per_token']:7.1f}ms {1000 * m['s_per_token']:9.1f}"
+                  f" {extra.get('throughput_cost', 1.0):6.2f} {extra.get('compute_ratio', 1.0):9.2f}"
+                  f" {extra.get('cpu_ratio', 1.0):6.2f} {drops.get('0.05', 0):9.3f} {drops.get('0.25', 0):9.3f}"
                   f" {drops.get('1.0', 0):7.3f}")
     print(json.dumps({"cpu": cpu_flags(), "tokens": args.tokens, "clients": args.clients, "rounds": args.rounds,
                       "results": results}))

@@ -4,17 +4,24 @@ it on the first route; the hops' sketches locate the range)
 never gets a wrong token to the client, is excluded within one checked generation, and later
 routes avoid it; with only two servers of the lied-about range the generation fails rather than
 guess; honest replicas over 200 checked steps exclude nobody; a range without a replica leaves the
-generation unverified, and says so."""
+generation unverified, and says so. Checked by prefill (the default, meshd/entry/windows.py) and in lockstep.
+A liar that lies once in 500 positions, only after 200, is caught with every generation checked: where the
+text goes out at once it is taken back from the wrong token (a `retract` event) and goes on right; where it
+waits for its check no wrong token ever reaches the client. Honest replicas on the block kernel's two
+instruction sets (--kernel-isa avx2 beside the CPU's best) never disagree over a long generation."""
 
 import json
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from meshd.testing.liar import liar_wrap
+from meshd.cli.ctl import Connection, new_request_id
 from meshd.cli.localmesh import Mesh
+from meshd.testing.liar import liar_wrap
+from meshd.wire import GenerateRequest
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
@@ -47,7 +54,10 @@ def local_text(tokens: int) -> str:
 
 @pytest.fixture(scope="module")
 def reference():
-    return {N: local_text(N), 200: local_text(200)}
+    return {N: local_text(N), 200: local_text(200), LONG: local_text(LONG)}
+
+
+LONG = 240  # a generation long enough for a liar that waits for position 205
 
 
 def checked_until_disagreement(e, expected: str, tries: int = 6) -> dict:
@@ -146,5 +156,100 @@ def test_a_tail_that_lies_mid_generation_is_caught_the_same_way(reference):
         assert stats["unchecked_layers"] == [[10, 20]] and not stats["verified"]
         code, text, stats, err = generate(e)
         assert code == 0 and text == reference[N] and liar_id not in {hop[0] for hop in stats["route"]}
+    finally:
+        m.close()
+
+
+def events_of(d, tokens: int) -> list:
+    """A generation's stream events as they came (text, verified, retract, done or error)."""
+    conn = Connection(Path(d.socket))
+    events = []
+    try:
+        conn.send(GenerateRequest(request_id=new_request_id(), prompt=PROMPT, max_tokens=tokens, ignore_eos=True))
+        while not events or events[-1].kind not in ("done", "error"):
+            events.append(conn.receive(600))
+    finally:
+        conn.close()
+    return events
+
+
+def text_standing(events: list) -> tuple[str, list[str]]:
+    """The text as a client that applies retractions holds it, and every piece of text it was ever sent."""
+    text, sent = "", []
+    for e in events:
+        if e.kind == "text":
+            text += e.text
+            sent.append(e.text)
+        elif e.kind == "retract":
+            text = text[:e.stats["keep_chars"]]
+    return text, sent
+
+
+def test_a_liar_that_lies_rarely_and_late_is_caught_when_every_generation_is_checked(reference):
+    """The liar claims speed (the first route takes it) and lies at one position only, 205 (generated token
+    201), once in 500 past it: both entries check every generation (--verify-rate 1). The one whose text goes
+    out at once takes the text back from token 201 and goes on with the one-process text; the one whose text
+    waits for its check never sends a wrong token. Each excludes the liar, and its ledger holds the windows."""
+    m = Mesh(env={"MESHD_RECORD_TTL": "30"})
+    try:
+        common = ["--threads", "1"]
+        now = m.start("now", ["--layers", "0:10", "--verify-rate", "1", "--verify-release", "at-once", *common])
+        boot = ["--bootstrap", now.wait_serving()["addrs"][0], *common]
+        held = m.start("held", ["--layers", "0:10", "--verify-rate", "1", *boot])
+        for name in ("h1", "h2"):
+            m.start(name, ["--layers", "10:20", *boot])
+        m.start("t", ["--layers", "20:30", *boot])
+        liar = m.start("liar", ["--layers", "10:20", *boot], wrap=liar_wrap(scale=4.0, from_position=205, every=500))
+        liar_id = liar.wait_serving()["peer_id"]
+        for e in (now, held):
+            peers_seen(e, 5)
+
+        events = events_of(now, LONG)
+        assert events[-1].kind == "done", events[-1]
+        stats = events[-1].stats
+        text, sent = text_standing(events)
+        assert text == reference[LONG], f"{stats}\nthe entry's log:\n{now.tail(60)}"
+        retracts = [e for e in events if e.kind == "retract"]
+        assert len(retracts) == 1 and retracts[0].stats["tokens"] == 201, retracts
+        assert "".join(sent) != reference[LONG]  # the wrong text did go out, and was taken back
+        assert [e.stats["verified_through"] for e in events if e.kind == "verified"][-1] == LONG
+        assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id] and stats["retracted"] >= 1
+        assert stats["diverged_layers"] == [[10, 20]] and stats["checked_by"] == "prefill"
+        assert stats["verified_through"] == LONG and stats["unchecked_layers"] == [[20, 30]]
+
+        events = events_of(held, LONG)
+        assert events[-1].kind == "done", events[-1]
+        stats = events[-1].stats
+        text, sent = text_standing(events)
+        assert not [e for e in events if e.kind in ("retract", "verified")]
+        assert "".join(sent) == text == reference[LONG], f"{stats}\nthe entry's log:\n{held.tail(60)}"
+        assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id] and stats["retracted"] == 0
+
+        ledger = json.loads(subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(held.socket),
+                                            "ledger", "--json"], capture_output=True, text=True, timeout=60).stdout)
+        assert ledger["windows"]["disagreed"] == 1 and ledger["windows"]["agreed"] >= LONG // 16
+    finally:
+        m.close()
+
+
+def test_honest_replicas_on_the_two_kernel_paths_never_disagree_over_a_long_generation(reference):
+    """Every range past the entry on two daemons, one of each on --kernel-isa avx2 (the other on the best the CPU
+    has: AVX-512 where it has it): every generation checked, whichever two the routes take, none disagrees."""
+    m = Mesh(env={"MESHD_RECORD_TTL": "30"})
+    try:
+        common = ["--threads", "1"]
+        e = m.start("e", ["--layers", "0:10", "--verify-rate", "1", *common])
+        boot = ["--bootstrap", e.wait_serving()["addrs"][0], *common]
+        for name, layers, isa in (("a", "10:20", []), ("b", "10:20", ["--kernel-isa", "avx2"]),
+                                  ("c", "20:30", []), ("d", "20:30", ["--kernel-isa", "avx2"])):
+            m.start(name, ["--layers", layers, *isa, *boot])
+        peers_seen(e, 4)
+        for _ in range(2):
+            code, text, stats, err = generate(e, tokens=LONG)
+            assert code == 0, err
+            assert text == reference[LONG]
+            assert stats["verified"] and stats["compared"] == LONG and stats["disagreements"] == 0, stats
+            assert stats["excluded"] == [] and stats["verified_through"] == LONG
+        assert e.status()["checks"]["excluded"] == []
     finally:
         m.close()

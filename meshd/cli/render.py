@@ -85,7 +85,9 @@ def check_lines(checks: dict | None) -> list[str]:
     """Checked generations (a second route a token must agree with) and the peers excluded after one."""
     if not checks:
         return []
-    lines = [f"checks    verify rate {checks.get('verify_rate', 0):g}: {checks.get('checked', 0)} checked,"
+    how = (f" by prefill, windows of {checks.get('verify_window')}, text {checks.get('verify_release')}"
+           if checks.get("verify_by") == "prefill" else " in lockstep" if checks.get("verify_by") else "")
+    lines = [f"checks    verify rate {checks.get('verify_rate', 0):g}{how}: {checks.get('checked', 0)} checked,"
              f" {checks.get('disagreed', 0)} disagreed, {len(checks.get('excluded', []))} peers excluded"]
     lines += [f"excluded  {row['peer']} for {row['left_s']:.0f} s more (time {row['times']}): {row['reason']}"
               for row in checks.get("excluded", [])]
@@ -185,6 +187,9 @@ def render_ledger(totals: dict) -> str:
              "generations " + ", ".join(f"{n} {k}" for k, n in gens.items())
              + f" ({totals['checked']} checked, {totals['unchecked']} unchecked)",
              "sessions    " + ", ".join(f"{n} {k}" for k, n in sessions.items()) + " (served for other daemons)"]
+    if totals.get("windows"):  # checks by prefill: windows of tokens a second route recomputed, by verdict
+        lines.insert(2, "windows     " + ", ".join(f"{n} {k}" for k, n in sorted(totals["windows"].items()))
+                     + " (checked by prefill)")
     if not totals["peers"]:
         return "\n".join(lines + ["no work with other peers yet"])
     lines.append(f"{'peer':<54} {'for us (layer-tokens)':>22} {'by us (layer-tokens)':>21}")

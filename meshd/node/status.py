@@ -17,7 +17,7 @@ class Observed:
     """The parts a status is read from (meshd/node/daemon.py's, at the moment it is asked)."""
 
     lifecycle: Any  # meshd/node/lifecycle.py's Lifecycle
-    settings: Any  # max_sessions, speculate, draft_max, verify_rate
+    settings: Any  # max_sessions, speculate, draft_max, verify_rate, verify_by, verify_window, verify_release
     started_at: float
     generations: int  # running or forwarded from here now (the control socket's count)
     throughput: float
@@ -103,7 +103,9 @@ def daemon_status(d: Observed) -> dict:
 def check_status(d: Observed) -> dict:
     """Checked generations: the rate, how many ran and disagreed here, the peers excluded now and why."""
     entry = d.slot.entry if d.slot else None
-    return {"verify_rate": d.settings.verify_rate, "checked": entry.checked if entry else 0,
+    return {"verify_rate": d.settings.verify_rate, "verify_by": d.settings.verify_by,
+            "verify_window": d.settings.verify_window, "verify_release": d.settings.verify_release,
+            "checked": entry.checked if entry else 0,
             "disagreed": entry.disagreed if entry else 0, "excluded": d.exclusions.listing(time.monotonic())}
 
 
