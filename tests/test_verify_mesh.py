@@ -208,10 +208,11 @@ def test_a_liar_that_lies_rarely_and_late_is_caught_when_every_generation_is_che
         assert events[-1].kind == "done", events[-1]
         stats = events[-1].stats
         text, sent = text_standing(events)
-        assert text == reference[LONG], f"{stats}\nthe entry's log:\n{now.tail(60)}"
+        want = reference[LONG].removesuffix("\n")  # the command line ends its text with a newline
+        assert text == want, f"{stats}\nthe entry's log:\n{now.tail(60)}"
         retracts = [e for e in events if e.kind == "retract"]
         assert len(retracts) == 1 and retracts[0].stats["tokens"] == 201, retracts
-        assert "".join(sent) != reference[LONG]  # the wrong text did go out, and was taken back
+        assert "".join(sent) != want  # the wrong text did go out, and was taken back
         assert [e.stats["verified_through"] for e in events if e.kind == "verified"][-1] == LONG
         assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id] and stats["retracted"] >= 1
         assert stats["diverged_layers"] == [[10, 20]] and stats["checked_by"] == "prefill"
@@ -222,7 +223,7 @@ def test_a_liar_that_lies_rarely_and_late_is_caught_when_every_generation_is_che
         stats = events[-1].stats
         text, sent = text_standing(events)
         assert not [e for e in events if e.kind in ("retract", "verified")]
-        assert "".join(sent) == text == reference[LONG], f"{stats}\nthe entry's log:\n{held.tail(60)}"
+        assert "".join(sent) == text == want, f"{stats}\nthe entry's log:\n{held.tail(60)}"
         assert stats["disagreements"] == 1 and stats["excluded"] == [liar_id] and stats["retracted"] == 0
 
         ledger = json.loads(subprocess.run([sys.executable, "-m", "meshd.cli.ctl", "--socket", str(held.socket),
