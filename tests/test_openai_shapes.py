@@ -123,3 +123,77 @@ async def test_the_usage_tells_the_cached_prompt_tokens_whole_streamed_or_cut_at
     body = {"messages": [{"role": "user", "content": "Hi"}], "stream": stream, "stop": stop, "max_tokens": 8}
     usage = (await post(app, body))[-1]["usage"]  # cut at a stop, the first text's figures make it
     assert usage["prompt_tokens"] == 40 and usage["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+def retracting_generate():
+    """A checked generation whose text goes out at once: "Hello wrld", a check takes back " wrld" (the first 5
+    characters stand), then " world" follows, with how far it is checked along the way."""
+    async def generate(req, emit):
+        rid = req.request_id
+        await emit(StreamEvent(request_id=rid, kind="text", text="Hello", stats={"tokens": 1, "prompt_tokens": 4}))
+        await emit(StreamEvent(request_id=rid, kind="verified", stats={"verified_through": 1}))
+        await emit(StreamEvent(request_id=rid, kind="text", text=" wr", stats={"tokens": 2}))
+        await emit(StreamEvent(request_id=rid, kind="text", text="ld", stats={"tokens": 3}))
+        await emit(StreamEvent(request_id=rid, kind="retract", text="a check found generated token 1 wrong",
+                               stats={"tokens": 1, "keep_chars": 5}))
+        await emit(StreamEvent(request_id=rid, kind="text", text=" world", stats={"tokens": 2}))
+        await emit(StreamEvent(request_id=rid, kind="verified", stats={"verified_through": 2}))
+        return {"tokens": 2, "prompt_tokens": 4, "route": []}
+    return generate
+
+
+async def raw_answer(app, body: dict) -> str:
+    sent, asked = [], False
+
+    async def receive():
+        nonlocal asked
+        if asked:
+            await trio.sleep_forever()
+        asked = True
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send)
+    return b"".join(m.get("body", b"") for m in sent[1:]).decode()
+
+
+async def test_text_a_check_takes_back_is_left_out_of_an_answer_and_retracted_in_a_stream():
+    daemon = FakeDaemon(artifact=FakeArtifact(name=MODEL, config=FakeConfig(max_positions=2048)))
+    app = HttpApi(daemon.served(), retracting_generate(), metrics=None)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    whole = json.loads(await raw_answer(app, body))
+    assert whole["choices"][0]["message"]["content"] == "Hello world" and whole["usage"]["completion_tokens"] == 2
+    raw = await raw_answer(app, body | {"stream": True})
+    events = raw.split("\n\n")
+    retract = [e for e in events if e.startswith("event: meshd.retract")]
+    assert len(retract) == 1 and json.loads(retract[0].split("data: ", 1)[1])["keep_chars"] == 5
+    assert ": verified_through 1" in events and ": verified_through 2" in events  # comments: clients skip them
+    pieces = []
+    for e in events:
+        if e.startswith("data: {"):
+            delta = json.loads(e[6:])["choices"][0]["delta"]
+            pieces.append(delta.get("content") or "")
+        elif e.startswith("event: meshd.retract"):
+            pieces = ["".join(pieces)[:json.loads(e.split("data: ", 1)[1])["keep_chars"]]]
+    assert "".join(pieces) == "Hello world"  # a client applying the retraction holds the text as it stands
+
+
+@pytest.mark.parametrize("stop, text", [(["orld"], "Hello w"), (["lo wo"], "Hel"), (["rld"], "Hello w")])
+async def test_a_stop_sequence_is_found_in_the_text_as_it_stands_after_a_retraction(stop, text):
+    """Also where the text that stands begins it ("lo wo": "lo" given before the retraction). One that the text
+    taken back holds ("rld" in "Hello wrld") ends the answer there: the text goes out at once, the stop with it."""
+    daemon = FakeDaemon(artifact=FakeArtifact(name=MODEL, config=FakeConfig(max_positions=2048)))
+    app = HttpApi(daemon.served(), retracting_generate(), metrics=None)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stop": stop}
+    whole = json.loads(await raw_answer(app, body))
+    assert whole["choices"][0]["message"]["content"] == text and whole["choices"][0]["finish_reason"] == "stop"
+    raw = await raw_answer(app, body | {"stream": True})
+    pieces = []
+    for e in raw.split("\n\n"):
+        if e.startswith("data: {"):
+            pieces.append(json.loads(e[6:])["choices"][0]["delta"].get("content") or "")
+        elif e.startswith("event: meshd.retract"):
+            pieces = ["".join(pieces)[:json.loads(e.split("data: ", 1)[1])["keep_chars"]]]
+    assert "".join(pieces) == text

@@ -136,33 +136,44 @@ class HttpApi:
         splitter = toolcalls.CallSplitter(c.tools.fmt) if c.tools is not None and c.tools.may_call else None
         stats: dict = {"tokens": 0}
         raw: list[str] = []  # the generation's text as it came (before stop sequences cut it)
-        given = 0  # characters of it given to on_text
+        given = 0  # characters of the stop-cut text given to on_text
+        out = 0  # characters the scanner has let through (after a retraction, from the text that stands)
+
+        async def give(piece: str) -> None:
+            """The scanner let `piece` through: the part the client does not hold yet goes to it; a stop found
+            before the end of what it holds (after a retraction) takes the rest back."""
+            nonlocal given, out
+            fresh = piece[max(0, given - out):]
+            out += len(piece)
+            if fresh:
+                given += len(fresh)
+                await on_text(fresh)
+            if scanner.stopped and out < given and on_check is not None:
+                given = out
+                await on_check("retract", out)
 
         async def tell(events: list) -> None:
-            nonlocal given
             for e in events:
                 if not isinstance(e, toolcalls.Content):
                     if on_call is not None:
                         await on_call(e)
                     continue
-                piece = scanner.push(e.text)
-                if piece:
-                    given += len(piece)
-                    await on_text(piece)
+                await give(scanner.push(e.text))
 
         async def retract(keep: int) -> None:
-            """A check took back the text from character `keep` on: what was given past it is taken back, and
-            what stood but was held back (a stop sequence's possible start) is pushed again."""
-            nonlocal scanner, given, raw
+            """A check took back the text from character `keep` on: what was given past it is taken back, and the
+            text that stands goes through a new scanner (a stop sequence may begin in it), giving only what the
+            client does not hold yet."""
+            nonlocal scanner, given, raw, out
             if splitter is not None and splitter.calls:
                 raise GenerationError(ErrorCode.HOP_FAILED, "a check took back text that was given as a tool call:"
                                       " ask again")
             raw = ["".join(raw)[:keep]]
             if keep < given and on_check is not None:
                 await on_check("retract", keep)
-            given = min(given, keep)
+            given, out = min(given, keep), 0
             scanner = openai.StopScanner(c.stop)
-            await tell([toolcalls.Content(raw[0][given:])])
+            await tell([toolcalls.Content(raw[0])])
 
         async def emit(event: StreamEvent) -> None:
             if event.kind == "verified":
@@ -188,9 +199,7 @@ class HttpApi:
                 raise
         if splitter is not None:
             await tell(splitter.finish())
-        rest = scanner.flush()
-        if rest:
-            await on_text(rest)
+        await give(scanner.flush())
         return stats, scanner.stopped, splitter.calls if splitter is not None else []
 
     async def _whole(self, c: openai.Completion, send) -> None:
