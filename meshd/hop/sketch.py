@@ -23,7 +23,9 @@ REQUEST = "sketch_seed"
 ROWS = "sketch_rows_seed"  # every row, and drafts held to the sampled token (a check's window)
 PREFIX = "sketch:"
 K = 8  # projections a sketch holds
-TOLERANCE = 1e-4  # relative: replicas of one recipe on one CPU kind differ by 0 (tests/test_replica_spread.py)
+TOLERANCE = 1e-4  # relative: replicas of one recipe on one CPU kind differ by 0 (tests/test_replica_spread.py); in
+# the native lane AVX-512, AVX2, thread counts and a window's pass against its steps by 0 too, in the exact lane by
+# up to 8.4e-6 (bench/sketch_spread.py, docs/protocol.md)
 
 
 @lru_cache(maxsize=8)
