@@ -227,6 +227,11 @@ class Attempt:
             self.sent_on_link()
         return None
 
+    async def past_here(self, frame: Forward) -> Token:
+        """Send a frame of hidden states this daemon's layers gave already to the first hop; the tail's Token."""
+        await self.send(*self.hops[0], frame)
+        return await self.next_reply(STEP_TIMEOUT)
+
     def alone_here(self) -> bool:
         """The route is this daemon's own layers, and no other session is open on them."""
         return not self.hops and self.service is not None and len(self.service.endpoint.sessions) == 1

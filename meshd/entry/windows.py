@@ -11,6 +11,9 @@ Rules:
   (the bits are the same: `Shard.passes_equal_steps`), and the tail accepts a draft only where it samples
   that very token, so the answer says how many of the window's tokens the second route would have given.
   The window costs the rows of one pass, not a decode step each (a prefill row costs a fraction of a step).
+- This daemon's own layers are not run again for a window: the rows they gave the first route's steps (read
+  as they go out: `ShardService.taps`) go to the second route's first hop, with this daemon's sketches of
+  them (an entry trusts itself; they are the bits its layers would give again).
 - The check of a window runs while the first route generates the next; the first route runs at most two
   windows ahead of the check. The first route drafts as an unchecked greedy generation does (its steps'
   rows are sketched alike, and its tail held to the very token: a greedy tail's rule anyway); a sampled one
@@ -31,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+import torch
 import trio
 
 from meshd.core.log import get_logger
@@ -44,7 +48,9 @@ from meshd.entry.route import Route, spread_weights
 from meshd.entry.run import Run
 from meshd.entry.stages import Event
 from meshd.hop import sketch
-from meshd.wire import Phase
+from meshd.hop.endpoint import DRAFTS, FED, HIDDEN
+from meshd.wire import Forward, Phase
+from meshd.wire.tensors import Tensor
 
 log = get_logger(__name__)
 AHEAD = 2  # windows the first route may generate past the last one checked
@@ -70,6 +76,41 @@ class Tally:
     event: Event | None = None
     wrong: tuple[int, int, dict, tuple[int, int] | None] | None = None
     changed: trio.Event = field(default_factory=trio.Event)
+
+    own: dict[int, tuple] = field(default_factory=dict)  # position -> this daemon's output row of the first
+    # route's step there, and its sketch of it: a window takes them instead of computing them again
+
+    def own_rows(self, frame: Forward) -> None:
+        """This daemon's layers' output of a first route's step (`ShardService.taps`), row by position."""
+        if frame.phase not in (Phase.DECODE, Phase.VERIFY):
+            return
+        hidden = next((t for t in frame.tensors if t.name == HIDDEN), None)
+        if hidden is None:
+            return
+        rows = hidden.to_torch()
+        mine = next((t.to_torch() for t in frame.tensors if t.name.startswith(sketch.PREFIX)), None)
+        for i in range(rows.shape[1]):
+            self.own[frame.position + i] = (rows[:, i:i + 1], mine[i] if mine is not None and mine.dim() == 2
+                                            and mine.shape[0] == rows.shape[1] else None)
+
+    def window_frame(self, at: Attempt, step: int, position: int, fed: list[int], seed: int, name: str,
+                     grammar: bool) -> Forward | None:
+        """The frame of a window for the second route's first hop, built of this daemon's own rows of the first
+        route's steps at its positions (and their sketches), as its layers would give them again (the same
+        bits: one-position steps); None where a row is missing (then the window goes through its layers)."""
+        rows = [self.own.get(position + i) for i in range(len(fed))]
+        if any(r is None for r in rows):
+            return None
+        tensors = [Tensor.from_torch(HIDDEN, torch.cat([r[0] for r in rows], dim=1)),
+                   Tensor.from_torch(DRAFTS, torch.tensor([fed[1:]], dtype=torch.int64)), sketch.rows_request(seed)]
+        if grammar:  # the hop that samples takes the ids fed (meshd/hop/endpoint.py, `_fed`)
+            tensors.append(Tensor.from_torch(FED, torch.tensor([fed], dtype=torch.int64)))
+        if all(r[1] is not None for r in rows):
+            tensors.append(Tensor.from_torch(name, torch.stack([r[1] for r in rows])))
+        for p in [p for p in self.own if p < position]:
+            del self.own[p]
+        return Forward(session_id=at.sid, epoch=at.epoch, step=step, phase=Phase.VERIFY, position=position,
+                       tensors=tuple(tensors))
 
     def wake(self) -> None:
         woken, self.changed = self.changed, trio.Event()
@@ -115,11 +156,16 @@ class Windows:
         gen.begin_attempt(a + b[1:])  # both routes' hops computed every position (the ledger's credits)
         gen.route = a
         tally = Tally(base=len(gen.tokens))
+        taps = self.routes.service.taps
         async with self.routes.open_route(first, retries.epoch, run.req, gen, run.sampling) as at_a, \
                 self.routes.open_route(second, retries.epoch, run.req, gen, run.sampling) as at_b:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._generate, run, at_a, tally)
-                nursery.start_soon(self._check, run, at_b, tally, b, nursery.cancel_scope)
+            taps[(at_a.sid, at_a.epoch)] = tally.own_rows
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._generate, run, at_a, tally)
+                    nursery.start_soon(self._check, run, at_b, tally, b, nursery.cancel_scope)
+            finally:
+                taps.pop((at_a.sid, at_a.epoch), None)
         if tally.wrong is None:
             return tally.event
         row, token, theirs, where = tally.wrong
@@ -198,8 +244,13 @@ class Windows:
             lo, hi = span
             first = tally.base + lo  # the window's first generated token; the frame feeds the one before it
             fed = gen.tokens[first - 1:first - 1 + hi - lo]
-            reply = await at.advance(first, Phase.VERIFY, len(gen.ids) + first - 1, fed,
-                                     extra=(sketch.rows_request(seed),))
+            position = len(gen.ids) + first - 1
+            frame = (tally.window_frame(at, first, position, fed, seed, f"{sketch.PREFIX}0:{self.end}", bool(gen.grammar))
+                     if at.hops else None)
+            if frame is not None:  # this daemon's layers computed these rows once, for both routes
+                reply = await at.past_here(frame)
+            else:
+                reply = await at.advance(first, Phase.VERIFY, position, fed, extra=(sketch.rows_request(seed),))
             rows = sketch.read(reply.tensors)
             tokens = [tally.made[lo + r].token if r < reply.accepted else reply.token_id if r == reply.accepted
                       else None for r in range(hi - lo)]

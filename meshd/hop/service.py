@@ -70,6 +70,8 @@ class ShardService:
         self._arrived = trio.Event()  # set by each submit while a pass waits for due frames
         self.gather_s = 0.0  # wait this long before a pass while other sessions' frames are due (--gather-ms)
         self.outputs = Outputs(endpoint.sessions)  # where each session's outputs go (`dial` set by the slot)
+        self.taps: dict[tuple[bytes, int], Callable[[Forward], None]] = {}  # sessions whose hidden states this
+        # daemon's entry reads as they go out (a check by prefill reuses its own layers' rows: entry/windows.py)
         self.nursery: trio.Nursery | None = None  # where hand-overs run (the daemon's; None: none are sent)
         self._ended: deque[HopSession] = deque()  # sessions the table closed, whose event-loop part `reap` lets go
         self._reaping = False  # a `reap` is posted to the event loop
@@ -249,6 +251,10 @@ class ShardService:
             self.scheduler.update_from_output(batch, outputs)
             done, batch = batch, []
             self.stats.account(time.perf_counter() - t0, done)
+            for w in done:
+                tap = self.taps.get((w.payload.session_id, w.payload.epoch))
+                if tap is not None and w.output and isinstance(w.output[0], Forward):
+                    tap(w.output[0])
             hops, forwarded = route_outputs(done, self.endpoint.sessions.links, self.stats.steps)
             self.forwarded += forwarded
             local = local_tokens(done, self.endpoint.sessions.links)
