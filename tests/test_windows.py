@@ -193,3 +193,37 @@ def test_checks_reach_every_server_of_a_range_not_only_the_fastest():
     assert taken["F"] > taken["S1"] and taken["F"] > taken["S2"] and min(taken.values()) >= 20
     plain = {plan_route(cov, 10, exclude={"E"}, avoid={"P", "T"}).hops[0].peer_id for _ in range(20)}
     assert plain == {"F"}  # without the draw, always the fastest
+
+
+def test_a_window_takes_the_entrys_own_rows_of_the_first_routes_steps_and_their_sketches():
+    from meshd.entry.windows import Tally
+    from meshd.hop.endpoint import DRAFTS, HIDDEN
+    from meshd.wire import Forward, Phase
+    from meshd.wire.tensors import Tensor
+
+    tally = Tally(base=0)
+    gen = torch.Generator().manual_seed(2)
+    steps = [(7, 1), (8, 3), (10, 2)]  # (position, rows): a plain step, a step with drafts, the next one
+    rows = {}
+    for position, n in steps:
+        hidden = torch.randn(1, n, 16, generator=gen)
+        mine = torch.randn(n, sketch.K, generator=gen)
+        tally.own_rows(Forward(session_id=b"s", epoch=0, step=1, phase=Phase.VERIFY if n > 1 else Phase.DECODE,
+                               position=position, tensors=(Tensor.from_torch(HIDDEN, hidden),
+                                                           Tensor.from_torch("sketch:0:10", mine))))
+        rows.update({position + i: (hidden[0, i], mine[i]) for i in range(n)})
+    tally.own_rows(Forward(session_id=b"s", epoch=0, step=0, phase=Phase.PREFILL, position=0,
+                           tensors=(Tensor.from_torch(HIDDEN, torch.zeros(1, 7, 16)),)))  # a prompt: not a step's
+    assert sorted(tally.own) == [7, 8, 9, 10, 11]
+
+    class At:
+        sid, epoch = b"c", 3
+
+    frame = tally.window_frame(At(), 5, 8, [11, 12, 13, 14], seed=9, name="sketch:0:10", grammar=False)
+    assert (frame.session_id, frame.epoch, frame.phase, frame.position) == (b"c", 3, Phase.VERIFY, 8)
+    got = {t.name: t.to_torch() for t in frame.tensors}
+    assert frame.tensors[0].name == HIDDEN and torch.equal(got[HIDDEN][0], torch.stack([rows[p][0] for p in range(8, 12)]))
+    assert got[DRAFTS].tolist() == [[12, 13, 14]] and sketch.teacher(frame.tensors)
+    assert torch.equal(got["sketch:0:10"], torch.stack([rows[p][1] for p in range(8, 12)]))
+    assert sorted(tally.own) == [8, 9, 10, 11]  # rows before the window are let go
+    assert tally.window_frame(At(), 6, 10, [1, 2, 3], seed=9, name="sketch:0:10", grammar=False) is None  # 12 missing
