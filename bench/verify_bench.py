@@ -18,6 +18,7 @@ and the CPU seconds their processes used per token (/proc: all their work), and 
 (a share r of generations checked, each costing c = off / checked times a plain one):
 1 - 1 / (1 + r (c - 1)); a measured arm would need many rounds to resolve 5% on a shared box.
 Usage: python bench/verify_bench.py [--model smollm2|synthetic|both] [--tokens 64] [--clients 4] [--rounds 2]
+       [--window 16]
 Prints one line per round and a table, then one JSON object on the last line.
 """
 
@@ -108,7 +109,8 @@ def run_model(name: str, model: str, args) -> dict:
     mesh = Mesh(env={"MESHD_RECORD_TTL": "30"})
     common = ["--model", model, "--threads", "1", "--verify-rate", "0"]
     try:
-        entry = mesh.start("prefill", ["--layers", f"{head[0]}:{head[1]}", *common, "--verify-by", "prefill"])
+        entry = mesh.start("prefill", ["--layers", f"{head[0]}:{head[1]}", *common, "--verify-by", "prefill",
+                                       "--verify-window", str(args.window)])
         boot = ["--bootstrap", entry.wait_serving()["addrs"][0]]
         lock = mesh.start("lockstep", ["--layers", f"{head[0]}:{head[1]}", *common, "--verify-by", "lockstep", *boot])
         others = [mesh.start(f"s{i}{k}", ["--layers", f"{a}:{b}", *common, *boot])
@@ -153,6 +155,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--window", type=int, default=16, help="the prefill entry's --verify-window")
     args = ap.parse_args()
     names = ["smollm2", "synthetic"] if args.model == "both" else [args.model]
     results = [run_model(name, "smollm2" if name == "smollm2" else synthetic_model(), args) for name in names]
@@ -168,6 +171,7 @@ def main() -> int:
                   f" {extra.get('cpu_ratio', 1.0):6.2f} {drops.get('0.05', 0):9.3f} {drops.get('0.25', 0):9.3f}"
                   f" {drops.get('1.0', 0):7.3f}")
     print(json.dumps({"cpu": cpu_flags(), "tokens": args.tokens, "clients": args.clients, "rounds": args.rounds,
+                      "window": args.window,
                       "results": results}))
     return 0
 
