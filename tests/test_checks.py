@@ -131,9 +131,9 @@ def test_the_verify_flags_reach_the_request_and_the_settings():
     assert Decoder().feed(encode(req)) == [req]
     assert ctl_parser().parse_args(["generate", "--verify", "hi"]).verify
     assert not ctl_parser().parse_args(["generate", "hi"]).verify
-    args = build_parser().parse_args(["join", "--verify-rate", "0.25"])
+    args = build_parser().parse_args(["join", "--verify-rate", "0.5"])
     s = load_settings({"verify_rate": args.verify_rate}, environ={})
-    assert verify_share(s) == 0.25 and verify_share(load_settings({}, environ={})) == 0.05
+    assert verify_share(s) == 0.5 and verify_share(load_settings({}, environ={})) == 0.25
     with pytest.raises(ValueError, match="--verify-rate"):
         verify_share(load_settings({"verify_rate": 2.0}, environ={}))
 

@@ -82,3 +82,51 @@ def test_status_shows_hand_overs_and_reads_an_older_daemons_status():
                                 " replayed 0")
     assert "handover  unknown" in render_status(STATUS).splitlines()  # an older daemon says nothing of them
     assert handover_line(h) in render_status({**STATUS, "handovers": h}).splitlines()
+
+
+def test_meshctl_says_a_retraction_and_writes_the_text_as_it_stands_again(tmp_path, capsys):
+    """A checked generation whose text goes out at once takes some back: meshctl says so on stderr and writes
+    the text that stands again on a new line, the rest after it, so that its last line is the answer."""
+    import io
+    import socket
+    import threading
+
+    from meshd.cli.ctl import stream_answer
+    from meshd.wire import GenerateRequest, StreamEvent, encode
+
+    path = tmp_path / "s.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    events = [StreamEvent(request_id=1, kind="text", text="Hello wr", stats={"tokens": 2}),
+              StreamEvent(request_id=1, kind="verified", stats={"verified_through": 1}),
+              StreamEvent(request_id=1, kind="retract", text="a check found generated token 1 wrong",
+                          stats={"tokens": 1, "keep_chars": 5}),
+              StreamEvent(request_id=1, kind="text", text=" world", stats={"tokens": 2}),
+              StreamEvent(request_id=1, kind="done", stats={"tokens": 2, "retracted": 1})]
+
+    def serve():
+        conn, _ = server.accept()
+        conn.recv(1 << 16)
+        conn.sendall(b"".join(encode(e) for e in events))
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    out = io.StringIO()
+    code, stats, text = stream_answer(path, GenerateRequest(request_id=1, prompt="x"), 10.0, out)
+    server.close()
+    assert code == 0 and stats["retracted"] == 1 and text == "Hello world"
+    assert out.getvalue() == "Hello wr\nHello world"
+    assert "a check found generated token 1 wrong" in capsys.readouterr().err
+
+
+def test_status_and_the_ledger_say_how_generations_are_checked():
+    from meshd.cli.render import check_lines, render_ledger
+
+    line = check_lines({"verify_rate": 0.25, "verify_by": "prefill", "verify_window": 16, "verify_release": "checked",
+                        "checked": 3, "disagreed": 1, "excluded": []})[0]
+    assert "verify rate 0.25 by prefill, windows of 16, text checked: 3 checked, 1 disagreed" in line
+    assert "in lockstep" in check_lines({"verify_rate": 0.25, "verify_by": "lockstep", "excluded": []})[0]
+    totals = {"enabled": True, "path": "/x", "generations": {"completed": 2}, "sessions": {}, "checked": 2,
+              "unchecked": 0, "peers": {}, "windows": {"agreed": 30, "disagreed": 1}}
+    assert "windows     30 agreed, 1 disagreed (checked by prefill)" in render_ledger(totals)

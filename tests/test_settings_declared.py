@@ -35,7 +35,7 @@ def test_join_offers_exactly_the_declared_flags_with_their_help():
 def test_help_writes_in_the_declared_default():
     assert st.help_text("max_sessions").endswith("(default 64)")
     assert st.help_text("kv_budget") == "bytes of KV cache for all sessions (default 1 GiB)"
-    assert "(default 0.05; 0: none)" in st.help_text("verify_rate")
+    assert "(default 0.25; 0: none)" in st.help_text("verify_rate")
     assert "(default 30; a second SIGTERM" in st.help_text("drain_timeout")
     most = default("draft_max")
     assert st.help_text("draft_max").startswith(f"as an entry: draft tokens a step carries at most (default {most};")

@@ -135,7 +135,7 @@ class Mesh:
         """`preexec_fn` runs in the child before the daemon starts (e.g. to enter a memory cgroup);
         `where` (`listen`, `wrap`) places it elsewhere than loopback, e.g. in a test-bed host."""
         # no checked generations unless a test asks (--verify-rate, --verify): a check drawn at random
-        # (1 in 20 by default) would make a test's timing and stats differ from run to run
+        # (1 in 4 by default) would make a test's timing and stats differ from run to run
         d = DaemonProc(self.root, name, args, {"MESHD_VERIFY_RATE": "0", **self.env, **(env or {})}, preexec_fn,
                        **where)
         self.daemons.append(d)

@@ -121,8 +121,8 @@ class Settings:
     draft: str = setting("", "as an entry: a draft model (a GGUF file, an HF directory or a bundled name) run whole on"
                              " this daemon to propose the drafts, instead of prompt lookup; it must share the model's"
                              " tokenizer (refused at start otherwise)")
-    verify_rate: float = setting(0.05, "as an entry: share of generations also run on a second route of other"
-                                       " daemons, a token given only when both routes agree (default {default};"
+    verify_rate: float = setting(0.25, "as an entry: share of generations also run on a second route of other"
+                                       " daemons, a token kept only when both routes agree (default {default};"
                                        " 0: none)")
     verify_by: str = setting("prefill", "as an entry: how a checked generation is checked: prefill (default: a second"
                                         " route recomputes each finished window of tokens in one pass, comparing"
