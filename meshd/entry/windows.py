@@ -245,8 +245,8 @@ class Windows:
             first = tally.base + lo  # the window's first generated token; the frame feeds the one before it
             fed = gen.tokens[first - 1:first - 1 + hi - lo]
             position = len(gen.ids) + first - 1
-            frame = (tally.window_frame(at, first, position, fed, seed, f"{sketch.PREFIX}0:{self.end}", bool(gen.grammar))
-                     if at.hops else None)
+            mine = f"{sketch.PREFIX}0:{self.end}"  # this daemon's sketches' name
+            frame = tally.window_frame(at, first, position, fed, seed, mine, bool(gen.grammar)) if at.hops else None
             if frame is not None:  # this daemon's layers computed these rows once, for both routes
                 reply = await at.past_here(frame)
             else:
