@@ -20,6 +20,7 @@ import pytest
 
 from meshd.cli.ctl import Connection, new_request_id
 from meshd.cli.localmesh import Mesh
+from meshd.testing.claims import claims_wrap
 from meshd.testing.liar import liar_wrap
 from meshd.wire import GenerateRequest
 
@@ -186,18 +187,19 @@ def text_standing(events: list) -> tuple[str, list[str]]:
 
 
 def test_a_liar_that_lies_rarely_and_late_is_caught_when_every_generation_is_checked(reference):
-    """The liar claims speed (the first route takes it) and lies at one position only, 205 (generated token
-    201), once in 500 past it: both entries check every generation (--verify-rate 1). The one whose text goes
-    out at once takes the text back from token 201 and goes on with the one-process text; the one whose text
-    waits for its check never sends a wrong token. Each excludes the liar, and its ledger holds the windows."""
+    """The liar claims speed and the honest servers of its range modesty (the first route takes the liar), and it
+    lies at one position only, 205 (generated token 201), once in 500 past it: both entries check every
+    generation (--verify-rate 1). The one whose text goes out at once takes the text back from token 201 and
+    goes on with the one-process text; the one whose text waits for its check never sends a wrong token. Each
+    excludes the liar, and its ledger holds the windows."""
     m = Mesh(env={"MESHD_RECORD_TTL": "30"})
     try:
         common = ["--threads", "1"]
         now = m.start("now", ["--layers", "0:10", "--verify-rate", "1", "--verify-release", "at-once", *common])
         boot = ["--bootstrap", now.wait_serving()["addrs"][0], *common]
         held = m.start("held", ["--layers", "0:10", "--verify-rate", "1", *boot])
-        for name in ("h1", "h2"):
-            m.start(name, ["--layers", "10:20", *boot])
+        for name in ("h1", "h2"):  # claiming a hundredth of their speed: the first route takes the liar whatever
+            m.start(name, ["--layers", "10:20", *boot], wrap=claims_wrap(0.01))  # the links measure on a loaded box
         m.start("t", ["--layers", "20:30", *boot])
         liar = m.start("liar", ["--layers", "10:20", *boot], wrap=liar_wrap(scale=4.0, from_position=205, every=500))
         liar_id = liar.wait_serving()["peer_id"]
