@@ -1,9 +1,10 @@
-"""Checked generations as pure decisions: which generations are checked, which layers two routes
-compute on different daemons, who is to blame when routes disagree, and how long a peer that
-disagreed with two others stays off this daemon's routes.
+"""Checked generations as pure decisions: which generations are checked and how (`Checking`), which
+layers two routes compute on different daemons, the windows a check by prefill cuts and the first row
+where it disagrees (`next_window`, `first_wrong`), who is to blame when routes disagree, and how long a
+peer that disagreed with two others stays off this daemon's routes.
 
-Rules: a checked generation runs on two routes in lockstep and a token counts only when both give
-it; replicas of one recipe on one kind of CPU compute bit for bit alike (the sampler draws from
+Rules: a checked generation runs on two routes (in lockstep, or the second recomputing each window of the
+first's tokens in one pass) and a token counts only when both give it; replicas of one recipe on one kind of CPU compute bit for bit alike (the sampler draws from
 (seed, position)), so any difference is a fault, not rounding. Layers both routes run on the same
 daemon are unchecked, and the generation says so. When two routes disagree, a third route whose
 hops differ where the two differed settles it, by its hops' sketch of the range where the two
